@@ -1,0 +1,27 @@
+# Two commands: `make serve` (the default models on this machine's CPU) and `make test` (the whole suite).
+# Both create or reuse .venv and install what they need on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.minedraft-installed
+
+.PHONY: serve test install clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch's CPU build lies on the CPU machines' disk; an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+serve: $(STAMP)
+	$(VENV)/bin/minedraft serve
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,143 @@
+"""ModelRunner: one model and its KV slots on one device.
+
+`step` runs q tokens for a batch of slots. On CUDA it replays a CUDA graph captured per
+(batch bucket, q); rows padding a batch up to its bucket point at a scratch slot that no
+request owns, so the graph never needs to know how many rows are real.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .kv_cache import KVCache
+from .model import Transformer
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward; bounds activation memory
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, device: torch.device | str, num_slots: int, max_len: int,
+                 max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None):
+        self.model, self.device = model, torch.device(device)
+        self.cfg = model.cfg
+        self.max_len, self.max_batch = max_len, max_batch
+        self.vocab = min(vocab_limit or self.cfg.vocab_size, self.cfg.vocab_size)
+        # one extra slot: the scratch slot that padding rows write into
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(self.cfg.num_layers, num_slots + 1, max_len, self.cfg.num_kv_heads, self.cfg.head_dim,
+                             dtype, self.device)
+        self.num_slots, self.scratch_slot = num_slots, num_slots
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
+        self._pool = None
+
+    # ---- model calls -------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, self.cache, slots)           # [B, q, H]
+        return self.model.compute_logits(hidden)[..., :self.vocab]  # [B, q, V] float32
+
+    @torch.inference_mode()
+    def step(self, slots: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Append q tokens to each slot and return their logits.
+
+        slots [B] int64 (device), input_ids [B, q] int64 (device) -> logits [B, q, V] float32.
+        The returned tensor may be a static graph buffer: use it before the next step.
+        """
+        batch, q = input_ids.shape
+        if self.use_graphs and batch <= self.max_batch:
+            logits = self._replay(slots, input_ids)
+        else:
+            logits = self._forward(input_ids, slots)
+        self.cache.lengths.index_add_(0, slots, torch.full_like(slots, q))
+        return logits
+
+    def _replay(self, slots: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        batch, q = input_ids.shape
+        bucket = self.buckets[bisect.bisect_left(self.buckets, batch)]
+        key = (bucket, q)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, q)
+        graph, bufs = self._graphs[key]
+        bufs["slots"][:batch].copy_(slots)
+        bufs["slots"][batch:].fill_(self.scratch_slot)
+        bufs["input_ids"][:batch].copy_(input_ids)
+        graph.replay()
+        return bufs["logits"][:batch]
+
+    def _capture(self, bucket: int, q: int):
+        bufs = {"slots": torch.full((bucket,), self.scratch_slot, dtype=torch.int64, device=self.device),
+                "input_ids": torch.zeros((bucket, q), dtype=torch.int64, device=self.device)}
+        # the scratch slot's length stays 0, so warm-up writes land in its first rows only
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(bufs["input_ids"], bufs["slots"])
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bufs["logits"] = self._forward(bufs["input_ids"], bufs["slots"])
+        return graph, bufs
+
+    def capture_all(self, qs: tuple[int, ...]) -> None:
+        """Capture every bucket for each q up front (largest first, so the shared pool is sized once)."""
+        if not self.use_graphs:
+            return
+        for q in qs:
+            for bucket in reversed(self.buckets):
+                if (bucket, q) not in self._graphs:
+                    self._graphs[(bucket, q)] = self._capture(bucket, q)
+
+    @torch.inference_mode()
+    def extend(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
+        """Append variable-length token lists to slots (prefill, or a drafter catching up).
+
+        Returns logits of each list's last token: [B, V] float32. Rows are padded to the longest
+        list; padding sits after the real tokens, so causal attention keeps it out of real rows,
+        and the lengths advance by the real counts only.
+        """
+        out = []
+        start = 0
+        while start < len(slots):
+            end, longest = start, 0
+            while end < len(slots) and max(longest, len(token_lists[end])) * (end - start + 1) <= PREFILL_TOKEN_BUDGET:
+                longest = max(longest, len(token_lists[end]))
+                end += 1
+            end = max(end, start + 1)
+            out.append(self._extend_chunk(slots[start:end], token_lists[start:end]))
+            start = end
+        return torch.cat(out, 0)
+
+    def _extend_chunk(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
+        lens = [len(t) for t in token_lists]
+        longest = max(lens)
+        ids = torch.zeros((len(slots), longest), dtype=torch.int64)
+        for row, toks in enumerate(token_lists):
+            ids[row, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        ids = ids.to(self.device, non_blocking=True)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, self.cache, slot_t)                                  # [B, L, H]
+        last = hidden[torch.arange(len(slots), device=self.device), lens_t - 1]      # [B, H]
+        self.cache.lengths.index_add_(0, slot_t, lens_t)
+        return self.model.compute_logits(last)[..., :self.vocab]
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Start fresh slots with their prompts: [B, V] logits of each prompt's last token."""
+        self.set_lengths(slots, [0] * len(slots))
+        return self.extend(slots, prompts)
+
+    # ---- lengths -------------------------------------------------------------------------------
+    def set_lengths(self, slots, lengths) -> None:
+        slots = torch.as_tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        lengths = torch.as_tensor(lengths, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.cache.lengths.index_copy_(0, slots, lengths)
+
+    def rollback(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Forget the last num_tokens [B] tokens of each slot: only the lengths move."""
+        self.cache.lengths.index_add_(0, slots, -num_tokens)

@@ -1,0 +1,110 @@
+"""The two halves of a speculative step, shared by the in-process engine and the Ray actors.
+
+Drafter: proposes k tokens per row from final (verified) tokens.
+Verifier: scores [last token, drafts] in one pass and rejection-samples against the target.
+
+KV rules (docs/design.md): the target slot holds seq_len - 1 tokens (the newest token is not in
+it yet); the drafter slot is rewound to seq_len - 2 before each round and re-fed the last two
+tokens, so a fully accepted run (whose last draft never went through the drafter) needs no
+special case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rejection import draft_sample, rejection_sample
+from .runner import ModelRunner
+from .sampling import SamplingBatch, logprobs_topk, sample
+
+
+@dataclass
+class DraftRow:
+    """What the drafter needs for one request: its slot and the final tokens it has not cached.
+
+    `catchup` = seq[valid:] where `valid` = tokens of the sequence already in the drafter's slot
+    (at most seq_len - 2); normally the last two tokens.
+    """
+    slot: int
+    valid: int
+    catchup: list[int]
+
+
+class Drafter:
+    def __init__(self, runner: ModelRunner, draft_temperature: float = 0.0):
+        self.runner, self.device = runner, runner.device
+        self.draft_temperature = draft_temperature
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        self.runner.prefill(slots, prompts)
+
+    @torch.inference_mode()
+    def draft(self, rows: list[DraftRow], k: int, seeds: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> draft_ids [B, k] int64 (device), draft_probs [B, k, V] float32 or None (greedy drafting).
+
+        positions [B]: absolute output position of each row's first draft token (noise key for
+        probabilistic drafting); seeds [B]: the requests' seeds.
+        """
+        runner = self.runner
+        # rewind to `valid`, then feed everything but the last two tokens as a catch-up prefill
+        runner.set_lengths([r.slot for r in rows], [r.valid for r in rows])
+        lagging = [r for r in rows if len(r.catchup) > 2]
+        if lagging:
+            runner.extend([r.slot for r in lagging], [r.catchup[:-2] for r in lagging])
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        last2 = torch.tensor([r.catchup[-2:] for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        probabilistic = self.draft_temperature > 0
+        ids, probs = [], []
+        logits = runner.step(slots, last2)[:, -1]                        # [B, V]
+        for j in range(k):
+            if probabilistic:
+                tok, p = draft_sample(logits, self.draft_temperature, seeds, positions + j)
+                probs.append(p)
+            else:
+                tok = logits.argmax(-1)                                 # [B]
+            ids.append(tok)
+            if j + 1 < k:
+                logits = runner.step(slots, tok[:, None])[:, -1]
+        draft_ids = torch.stack(ids, 1)                                  # [B, k]
+        return draft_ids, (torch.stack(probs, 1) if probabilistic else None)
+
+
+@dataclass
+class VerifyResult:
+    tokens: torch.Tensor        # [B, k+1] int64, -1 past the emitted ones
+    num_emitted: torch.Tensor   # [B] int64, 1..num_drafts+1
+    logprobs: tuple | None = None
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.device = runner, runner.device
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], prompts: list[list[int]], batch: SamplingBatch,
+                num_logprobs: int = 0) -> VerifyResult:
+        """Prefill fresh slots and sample each request's first token (output position 0)."""
+        logits = self.runner.prefill(slots, prompts)                     # [B, V]
+        positions = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
+        first = sample(logits, batch, positions)                         # [B]
+        lp = logprobs_topk(logits[:, None], batch, num_logprobs, first[:, None]) if num_logprobs else None
+        return VerifyResult(first[:, None], torch.ones_like(first), lp)
+
+    @torch.inference_mode()
+    def verify(self, slots: torch.Tensor, last_tokens: torch.Tensor, draft_ids: torch.Tensor,
+               num_drafts: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
+               draft_probs: torch.Tensor | None = None, num_logprobs: int = 0) -> VerifyResult:
+        """One target pass over [last token, drafts] and rejection sampling.
+
+        slots, last_tokens, num_drafts, positions: [B]; draft_ids [B, k] (k may be 0: plain decode).
+        The target slot keeps the last token plus the accepted drafts; the rest is rolled back.
+        """
+        k = draft_ids.shape[1]
+        ids = torch.cat([last_tokens[:, None], draft_ids], 1)            # [B, k+1]
+        logits = self.runner.step(slots, ids)                            # [B, k+1, V]
+        tokens, num_emitted = rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)
+        self.runner.rollback(slots, (k + 1) - num_emitted)
+        lp = logprobs_topk(logits, batch, num_logprobs, tokens) if num_logprobs else None
+        return VerifyResult(tokens, num_emitted, lp)
