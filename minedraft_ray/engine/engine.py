@@ -13,7 +13,7 @@ from .loader import check_pair, load_model, load_tokenizer
 from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingBatch, SamplingParams
-from .spec import Drafter, DraftRow, Verifier, VerifyResult
+from .spec import Drafter, DraftRow, Verifier
 
 ENGINE_MODES = ("ar", "sd")
 
@@ -49,17 +49,14 @@ def verify_inputs(requests: list[Request], device) -> tuple[torch.Tensor, torch.
     return host[:, 0], host[:, 1], host[:, 2]
 
 
-def commit_step(requests: list[Request], result: VerifyResult, num_drafts: list[int]) -> list[list[int]]:
-    """Copy a verify result to the host (the step's one sync) and append it to the requests.
-
-    Returns the tokens each request kept (cut at EOS / stop ids / max_tokens)."""
-    tokens = result.tokens.cpu().tolist()
-    emitted = result.num_emitted.cpu().tolist()
-    logprobs = result.logprobs.to_host() if result.logprobs is not None else None
+def commit_tokens(requests: list[Request], tokens: list[list[int]], logprobs: list[list[dict]] | None,
+                  num_drafts: list[int]) -> list[list[int]]:
+    """Append each row's emitted tokens to its request (cut at EOS / stop ids / max_tokens) and
+    record the step's acceptance. Returns the tokens each request kept."""
     kept = []
-    for row, (r, toks, n, nd) in enumerate(zip(requests, tokens, emitted, num_drafts)):
-        r.stats.record_verify(nd, n - 1)
-        kept.append(r.append(toks[:n], logprobs[row][:n] if logprobs is not None else None))
+    for row, (r, toks, nd) in enumerate(zip(requests, tokens, num_drafts)):
+        r.stats.record_verify(nd, len(toks) - 1)
+        kept.append(r.append(toks, logprobs[row] if logprobs is not None else None))
         if nd:  # the drafter's slot now matches the sequence up to seq_len - 2 (docs/design.md)
             r.draft_valid = r.seq_len - 2
     return kept
@@ -165,14 +162,14 @@ class Engine:
         result = self.verifier.prefill([r.slot for r in requests], [r.prompt_ids for r in requests], batch, num_lp)
         for r in requests:
             r.draft_valid = 0  # the drafter catches up on its first draft round
-        commit_step(requests, result, [0] * len(requests))
+        commit_tokens(requests, *result.to_host(), [0] * len(requests))
 
     def step(self, running: list[Request]) -> None:
         """One verify step for every running request (drafting first in `sd`)."""
         batch = SamplingBatch.build([r.params for r in running], self.device, seeds=[r.seed for r in running])
         slots, last, positions = verify_inputs(running, self.device)
         if self.mode == "sd":
-            draft_ids, draft_probs = self.drafter.draft(draft_rows(running), self.k, batch.seed, positions)
+            draft_ids, draft_probs = self.drafter.draft(draft_rows(running), self.k, [r.seed for r in running], positions)
             num_drafts = [self.k] * len(running)
         else:
             draft_ids, draft_probs = torch.zeros((len(running), 0), dtype=torch.int64, device=self.device), None
@@ -180,7 +177,7 @@ class Engine:
         nd = torch.full((len(running),), num_drafts[0], dtype=torch.int64, device=self.device)
         num_lp = max(r.params.logprobs or 0 for r in running)
         result = self.verifier.verify(slots, last, draft_ids, nd, batch, positions, draft_probs, num_lp)
-        commit_step(running, result, num_drafts)
+        commit_tokens(running, *result.to_host(), num_drafts)
 
     def output(self, r: Request) -> GenerationOutput:
         return GenerationOutput(r.id, r.prompt_ids, list(r.output_ids),

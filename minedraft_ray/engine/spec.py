@@ -16,7 +16,7 @@ import torch
 
 from .rejection import draft_sample, rejection_sample
 from .runner import ModelRunner
-from .sampling import SamplingBatch, logprobs_topk, sample
+from .sampling import SamplingBatch, SamplingParams, logprobs_topk, sample
 
 
 @dataclass
@@ -40,12 +40,12 @@ class Drafter:
         self.runner.prefill(slots, prompts)
 
     @torch.inference_mode()
-    def draft(self, rows: list[DraftRow], k: int, seeds: torch.Tensor | None = None,
+    def draft(self, rows: list[DraftRow], k: int, seeds: list[int] | None = None,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> draft_ids [B, k] int64 (device), draft_probs [B, k, V] float32 or None (greedy drafting).
 
-        positions [B]: absolute output position of each row's first draft token (noise key for
-        probabilistic drafting); seeds [B]: the requests' seeds.
+        positions [B]: absolute output position of each row's first draft token and seeds: the
+        requests' seeds; both only matter for probabilistic drafting (its noise keys).
         """
         runner = self.runner
         # rewind to `valid`, then feed everything but the last two tokens as a catch-up prefill
@@ -56,11 +56,14 @@ class Drafter:
         slots = torch.tensor([r.slot for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
         last2 = torch.tensor([r.catchup[-2:] for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
         probabilistic = self.draft_temperature > 0
+        if probabilistic:
+            draft_batch = SamplingBatch.build([SamplingParams(temperature=self.draft_temperature)] * len(rows),
+                                              self.device, seeds=seeds)
         ids, probs = [], []
         logits = runner.step(slots, last2)[:, -1]                        # [B, V]
         for j in range(k):
             if probabilistic:
-                tok, p = draft_sample(logits, self.draft_temperature, seeds, positions + j)
+                tok, p = draft_sample(logits, draft_batch, positions + j)
                 probs.append(p)
             else:
                 tok = logits.argmax(-1)                                 # [B]
@@ -75,7 +78,19 @@ class Drafter:
 class VerifyResult:
     tokens: torch.Tensor        # [B, k+1] int64, -1 past the emitted ones
     num_emitted: torch.Tensor   # [B] int64, 1..num_drafts+1
-    logprobs: tuple | None = None
+    logprobs: tuple | None = None   # (token_lp [B, k+1], top_ids [B, k+1, n], top_lp [B, k+1, n])
+
+    def to_host(self) -> tuple[list[list[int]], list[list[dict]] | None]:
+        """The emitted tokens per row (and their logprobs), copied to the host in one go."""
+        emitted = self.num_emitted.tolist()
+        tokens = [row[:n] for row, n in zip(self.tokens.tolist(), emitted)]
+        if self.logprobs is None:
+            return tokens, None
+        token_lp, top_ids, top_lp = (t.tolist() for t in self.logprobs)
+        logprobs = [[{"token_id": tokens[b][i], "logprob": token_lp[b][i],
+                      "top": list(zip(top_ids[b][i], top_lp[b][i]))} for i in range(n)]
+                    for b, n in enumerate(emitted)]
+        return tokens, logprobs
 
 
 class Verifier:
@@ -89,7 +104,7 @@ class Verifier:
         logits = self.runner.prefill(slots, prompts)                     # [B, V]
         positions = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
         first = sample(logits, batch, positions)                         # [B]
-        lp = logprobs_topk(logits[:, None], batch, num_logprobs, first[:, None]) if num_logprobs else None
+        lp = logprobs_topk(logits[:, None], batch, first[:, None], num_logprobs) if num_logprobs else None
         return VerifyResult(first[:, None], torch.ones_like(first), lp)
 
     @torch.inference_mode()
@@ -106,5 +121,5 @@ class Verifier:
         logits = self.runner.step(slots, ids)                            # [B, k+1, V]
         tokens, num_emitted = rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)
         self.runner.rollback(slots, (k + 1) - num_emitted)
-        lp = logprobs_topk(logits, batch, num_logprobs, tokens) if num_logprobs else None
+        lp = logprobs_topk(logits, batch, tokens.clamp(min=0), num_logprobs) if num_logprobs else None
         return VerifyResult(tokens, num_emitted, lp)

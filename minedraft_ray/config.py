@@ -1,0 +1,75 @@
+"""One schema for the engine settings: CLI flags, MINEDRAFT_* environment variables and the
+`applications[].args` of Serve config YAMLs all validate through `EngineConfig`."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MODES = ("ar", "sd", "sd_split", "psd")
+Mode = Literal["ar", "sd", "sd_split", "psd"]
+ASSETS = Path(__file__).parent / "assets"
+ENV_PREFIX = "MINEDRAFT_"
+
+
+def default_target() -> str:
+    return str(ASSETS / "default-target")
+
+
+def default_draft() -> str:
+    return str(ASSETS / "default-draft")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    target: str = Field(default_factory=default_target, description="target model folder (HF format)")
+    draft: str | None = Field(default_factory=default_draft, description="draft model folder (HF format)")
+    model_name: str | None = Field(None, description="model id served by the API (default: target folder name)")
+    mode: Mode = Field("psd", description="ar | sd | sd_split | psd")
+    k: int = Field(4, ge=1, le=8, description="draft tokens per verify step")
+    max_batch: int = Field(8, ge=1, le=512, description="requests per verify step (psd holds 2x)")
+    max_len: int = Field(2048, ge=16, description="tokens per request: prompt + output")
+    num_slots: int | None = Field(None, ge=1, description="KV slots per model (default: what the mode holds)")
+    draft_temperature: float = Field(0.0, ge=0.0, description="0 = greedy drafting (only ids travel)")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cuda_graphs: bool = True
+    transport: Literal["object_store", "rdt"] = Field("object_store", description="draft channel")
+    psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
+    step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
+    max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.mode != "ar" and not self.draft:
+            raise ValueError(f"mode {self.mode!r} needs a draft model")
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or Path(self.target).name
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.mode != "ar"
+
+    @property
+    def max_running(self) -> int:
+        """Requests held in flight: psd keeps two batches of max_batch."""
+        return 2 * self.max_batch if self.mode == "psd" else self.max_batch
+
+    @classmethod
+    def from_env(cls, overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> "EngineConfig":
+        """Settings from MINEDRAFT_<FIELD> variables, then `overrides` (CLI flags / YAML args) on top."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = None if raw.lower() in ("", "none", "null") and name in ("draft", "num_slots") else raw
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.model_validate(values)

@@ -1,0 +1,143 @@
+"""`LLM`: the offline / programmatic API over the Ray runtime.
+
+    llm = LLM(target_dir, draft_dir, mode="psd", k=4, max_batch=16)
+    outs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=64))
+
+The batch manager runs in an actor in bundle 0 of the engine's placement group; the drafter and
+verifier actors it creates land in the other bundles.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..config import EngineConfig
+from ..engine.sampling import SamplingParams
+from .manager import BatchManager, StepOutput
+from .placement import create_placement_group
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+    logprobs: list | None = None
+
+
+@ray.remote
+class ManagerActor:
+    """Async actor hosting a BatchManager (bundle 0 of the placement group)."""
+
+    def __init__(self, config: dict):
+        self.manager = BatchManager(EngineConfig.model_validate(config))
+
+    async def start(self) -> dict:
+        await self.manager.start()
+        return self.manager.worker_info
+
+    async def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
+        async def one(prompt, p):
+            ids, logprobs, last = [], [], None
+            async for out in self.manager.generate(prompt, p):
+                ids += out.new_token_ids
+                logprobs += out.logprobs or []
+                last = out
+            return {"request_id": last.request_id, "prompt_token_ids": prompt, "token_ids": ids,
+                    "finish_reason": last.finish_reason, "stats": last.stats, "logprobs": logprobs or None}
+        return await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params)))
+
+    async def generate_stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None):
+        async for out in self.manager.generate(prompt, params, request_id):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.manager.abort(request_id)
+
+    def info(self) -> dict:
+        return self.manager.info()
+
+    def history(self) -> list:
+        return list(self.manager.history)
+
+    def kill_drafter(self) -> bool:
+        """Fault injection for tests and drills: kill the drafter actor."""
+        if self.manager.drafter is None:
+            return False
+        ray.kill(self.manager.drafter, no_restart=True)
+        return True
+
+    async def shutdown(self) -> None:
+        await self.manager.shutdown()
+
+
+def init_local_ray(**kwargs) -> None:
+    """Start a private local Ray instance unless one is connected (never attaches silently)."""
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray.init(address=kwargs.pop("address", "local"), include_dashboard=kwargs.pop("include_dashboard", False),
+                 **kwargs)
+
+
+class LLM:
+    def __init__(self, target: str | None = None, draft: str | None = None, mode: str = "psd", k: int = 4,
+                 max_batch: int = 8, config: EngineConfig | None = None, **settings):
+        if config is None:
+            fields = {"mode": mode, "k": k, "max_batch": max_batch, **settings}
+            if target is not None:
+                fields["target"] = target
+            if draft is not None or mode == "ar":
+                fields["draft"] = draft
+            config = EngineConfig(**fields)
+        self.config = config
+        init_local_ray()
+        self.pg = create_placement_group(config.mode)
+        self.manager = ManagerActor.options(
+            num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
+                                                                 placement_group_capture_child_tasks=True),
+        ).remote(config.model_dump())
+        self.worker_info = ray.get(self.manager.start.remote())
+        from ..engine.loader import load_tokenizer
+        self.tokenizer = load_tokenizer(config.target)
+
+    def _encode(self, prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        outs = ray.get(self.manager.generate_batch.remote([self._encode(p) for p in prompts], params))
+        return [RequestOutput(text=self.tokenizer.decode(o["token_ids"], skip_special_tokens=True), **o) for o in outs]
+
+    async def stream(self, prompt, sampling: SamplingParams | None = None, request_id: str | None = None):
+        """Async iterator of StepOutput for one request (per-request streaming)."""
+        gen = self.manager.generate_stream.options(num_returns="streaming").remote(
+            self._encode(prompt), sampling or SamplingParams(), request_id)
+        async for ref in gen:
+            out: StepOutput = await ref
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        ray.get(self.manager.abort.remote(request_id))
+
+    def info(self) -> dict:
+        return ray.get(self.manager.info.remote())
+
+    def history(self) -> list:
+        return ray.get(self.manager.history.remote())
+
+    def shutdown(self) -> None:
+        try:
+            ray.get(self.manager.shutdown.remote(), timeout=30)
+        finally:
+            ray.kill(self.manager, no_restart=True)
+            ray.util.remove_placement_group(self.pg)

@@ -1,0 +1,460 @@
+"""The batch manager: owns the requests, the two batches and the step loop.
+
+psd (the paper's batch parallelism): two batches A and B. Each step the verifier verifies one
+batch with the drafts made for it during the previous step, while the drafter drafts the other
+batch from its final tokens; then the roles swap. The manager is a plain asyncio object so it can
+live in a Serve replica (bundle 0 of the replica's placement group) or in an actor (`LLM`).
+
+Other modes share the loop: `ar` (verifier only), `sd` (one actor drafts and verifies),
+`sd_split` (drafter then verifier, chained by an object ref, one manager round trip per step).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup
+
+from ..config import EngineConfig
+from ..engine.engine import commit_tokens, draft_rows
+from ..engine.kv_cache import SlotAllocator
+from ..engine.loader import load_tokenizer
+from ..engine.model import ModelConfig
+from ..engine.request import Request
+from ..engine.sampling import SamplingParams
+from .placement import actor_options, create_placement_group
+from .workers import DrafterWorker, SpecWorker, VerifierWorker
+
+log = logging.getLogger("minedraft.runtime")
+
+VerifierActor = ray.remote(max_restarts=0)(VerifierWorker)
+DrafterActor = ray.remote(max_restarts=0)(DrafterWorker)
+SpecActor = ray.remote(max_restarts=0)(SpecWorker)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The bounded queue is full: the caller should retry later (HTTP 429/503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The verifier (target model) is gone: no request can complete."""
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[dict] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step, for tests, benchmarks and metrics."""
+    regime: str                      # psd | seq | sd | ar
+    sizes: tuple[int, int]           # batch sizes after the step (psd: A, B)
+    verified: int
+    drafted: int
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0
+    step_ms: float = 0.0
+    emitted: int = 0
+    accepted: int = 0
+    draft_tokens: int = 0
+    admitted: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _sampling_row(r: Request) -> tuple:
+    p = r.params
+    return (p.temperature, p.top_p, p.top_k, r.seed)
+
+
+class BatchManager:
+    def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None):
+        self.config = config
+        self.mode, self.k = config.mode, config.k
+        self.tokenizer = load_tokenizer(config.target)
+        self.eos_token_ids = tuple(ModelConfig.from_pretrained(config.target).eos_token_ids)
+        self.max_len = config.max_len
+        self.num_slots = config.num_slots or config.max_running
+        if self.num_slots < config.max_running:
+            raise ValueError(f"num_slots ({self.num_slots}) must hold the {config.max_running} requests mode "
+                             f"{config.mode!r} keeps in flight")
+        self.slots = SlotAllocator(self.num_slots)
+        self._pg = placement_group
+        self._own_pg = False
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self.batches: list[list[Request]] = [[], []]  # psd uses both; other modes only batches[0]
+        self.verify_next = 0
+        self.pending: list[dict | None] = [None, None]  # drafts made for batches[i]: {"ref", "order"}
+        self.history: deque[StepRecord] = deque(maxlen=100_000)
+        self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
+                         "moves": 0, "aborted": 0, "finished": 0}
+        self.verifier = self.drafter = None
+        self.drafter_alive = False
+        self.dead: str | None = None
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._restart_task: asyncio.Task | None = None
+        self.step_listeners: list = []   # callables(StepRecord) — metrics hook
+
+    # ---- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._pg is None:
+            self._pg = ray.util.get_current_placement_group()
+        if self._pg is None:
+            self._pg = await asyncio.to_thread(create_placement_group, self.mode)
+            self._own_pg = True
+        cfg = self.config.model_dump()
+        if self.mode == "sd":
+            self.verifier = SpecActor.options(**actor_options(self._pg, self.mode, "spec")).remote(cfg, self.num_slots)
+        else:
+            self.verifier = VerifierActor.options(**actor_options(self._pg, self.mode, "verifier")).remote(
+                cfg, self.num_slots)
+        waits = [self._get(self.verifier.ready.remote(), "verifier start")]
+        if self.mode in ("sd_split", "psd"):
+            self.drafter = self._new_drafter()
+            waits.append(self._get(self.drafter.ready.remote(), "drafter start"))
+        infos = await asyncio.gather(*waits)
+        self.worker_info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
+        self.drafter_alive = self.drafter is not None
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _new_drafter(self):
+        return DrafterActor.options(**actor_options(self._pg, self.mode, "drafter")).remote(
+            self.config.model_dump(), self.num_slots)
+
+    async def shutdown(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+        if self._restart_task:
+            self._restart_task.cancel()
+        for r in list(self.requests.values()):
+            self._finish(r, "abort", error="engine shut down")
+        for actor in (self.verifier, self.drafter):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self._own_pg:
+            ray.util.remove_placement_group(self._pg)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
+        params.validate()
+        if len(prompt_ids) + params.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context limit of {self.max_len} tokens")
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return Request(prompt_ids, params, self.eos_token_ids, request_id)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        """Async iterator of StepOutput for one request; closing it early aborts the request."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if len(self.waiting) >= self.config.max_queued + max(self.config.max_running - self._num_running(), 0):
+            raise EngineOverloadedError(f"the engine queue is full ({len(self.waiting)} waiting)")
+        r = self.make_request(prompt_ids, params, request_id)
+        r.queue = asyncio.Queue()
+        r.aborted = False
+        self.requests[r.id] = r
+        self.waiting.append(r)
+        self._wake.set()
+        try:
+            while True:
+                out: StepOutput = await r.queue.get()
+                if out.error:
+                    raise EngineDeadError(out.error)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not r.finished:
+                await self.abort(r.id)
+
+    async def abort(self, request_id: str) -> None:
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return
+        r.aborted = True
+        if r in self.waiting:
+            self.waiting.remove(r)
+            self._finish(r, "abort")
+        # a running request is retired at the end of the step in flight (its slot is busy until then)
+        self._wake.set()
+
+    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+        if reason and not r.finished:
+            r.finish_reason = reason
+        r.stats.finished = r.stats.finished or time.perf_counter()
+        if r.slot is not None:
+            self.slots.free(r.slot)
+            r.slot = None
+        self.requests.pop(r.id, None)
+        self.counters["aborted" if r.finish_reason == "abort" else "finished"] += 1
+        r.queue.put_nowait(StepOutput(r.id, [], None, True, r.finish_reason, r.stats.as_dict(), error))
+
+    def _emit(self, requests: list[Request], kept: list[list[int]]) -> None:
+        for r, toks in zip(requests, kept):
+            lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs and toks else None
+            if r.finished:
+                if r.slot is not None:
+                    self.slots.free(r.slot)
+                    r.slot = None
+                self.requests.pop(r.id, None)
+                self.counters["finished"] += 1
+                r.queue.put_nowait(StepOutput(r.id, toks, lp, True, r.finish_reason, r.stats.as_dict()))
+            elif toks:
+                r.queue.put_nowait(StepOutput(r.id, toks, lp))
+
+    def _num_running(self) -> int:
+        return len(self.batches[0]) + len(self.batches[1])
+
+    def info(self) -> dict:
+        return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
+                "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
+                "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
+                "drafter_alive": self.drafter_alive, "dead": self.dead, **self.counters}
+
+    # ---- the step loop -------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            if not self.waiting and not self._num_running():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step()
+            except EngineDeadError as e:
+                self._fail_all(str(e))
+                return
+            except Exception as e:  # a bug must not leave requests hanging
+                log.exception("step failed")
+                self._fail_all(f"engine step failed: {e!r}")
+                return
+            await asyncio.sleep(0)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead = reason
+        log.error("engine is dead: %s", reason)
+        for r in list(self.waiting) + self.batches[0] + self.batches[1]:
+            if not r.finished:
+                self._finish(r, "abort", error=reason)
+        self.waiting.clear()
+        self.batches = [[], []]
+
+    async def _await(self, ref):
+        return await ref
+
+    async def _get(self, ref, what: str):
+        try:
+            return await asyncio.wait_for(self._await(ref), self.config.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} took longer than {self.config.step_timeout_s:.0f} s") from None
+
+    def _regime(self) -> str:
+        if self.mode in ("ar", "sd"):
+            return self.mode
+        if not self.drafter_alive:
+            return "ar"
+        if self.mode == "psd" and self._num_running() >= self.config.psd_min_requests:
+            return "psd"
+        return "seq"
+
+    def _admit(self) -> list[Request]:
+        new = []
+        while self.waiting and self._num_running() + len(new) < self.config.max_running:
+            r = self.waiting.popleft()
+            r.slot = self.slots.alloc()
+            r.draft_valid = 0  # the drafter catches up on its first round
+            new.append(r)
+        return new
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        new = self._admit()
+        regime = self._regime()
+        vn = self.verify_next
+        prefill_ref = None
+        if new:
+            prefill_ref = self.verifier.prefill.remote([r.slot for r in new], [r.prompt_ids for r in new],
+                                                       [_sampling_row(r) for r in new],
+                                                       max(r.params.logprobs or 0 for r in new))
+        if regime == "psd":
+            verify_batch, draft_batch = self.batches[vn], self.batches[1 - vn]
+        else:  # one batch holding everyone
+            verify_batch, draft_batch = self.batches[0] + self.batches[1], []
+        record = StepRecord(regime, (0, 0), len(verify_batch), len(draft_batch), admitted=len(new))
+
+        verify_ref, num_drafts, drafts_ok = None, [0] * len(verify_batch), True
+        draft_refs = None
+        if verify_batch:
+            args = self._verify_args(verify_batch)
+            if regime == "sd":
+                verify_ref = self.verifier.step.remote(self._draft_args(verify_batch), self.k, *args)
+                num_drafts = [self.k] * len(verify_batch)
+            elif regime == "seq":
+                draft_refs = self._submit_draft(verify_batch)
+                verify_ref = self.verifier.verify.remote(*args[:4], draft_refs[0], list(range(len(verify_batch))),
+                                                         args[4])
+                num_drafts = [self.k] * len(verify_batch)
+            elif regime == "psd" and self.pending[vn] is not None:
+                order = self.pending[vn]["order"]
+                index = [order.get(r.id, -1) for r in verify_batch]
+                verify_ref = self.verifier.verify.remote(*args[:4], self.pending[vn]["ref"], index, args[4])
+                num_drafts = [self.k if i >= 0 else 0 for i in index]
+            else:  # ar, psd's first step, or a batch whose drafts were dropped
+                verify_ref = self.verifier.verify.remote(*args[:4], None, None, args[4])
+        if regime == "psd" and draft_batch:
+            draft_refs = self._submit_draft(draft_batch)
+        self.pending[vn] = None
+
+        # --- wait: prefill first (it runs first on the verifier), then the step's two halves
+        if prefill_ref is not None:
+            tokens, logprobs, _ = await self._verifier_result(prefill_ref, "prefill")
+            self._emit(new, commit_tokens(new, tokens, logprobs, [0] * len(new)))
+        if draft_refs is not None:
+            try:
+                record.t_draft_ms = await self._get(draft_refs[1], "draft")
+            except Exception as e:
+                drafts_ok = False
+                self._drafter_down(e)
+        if verify_ref is not None:
+            if regime == "seq" and not drafts_ok:
+                # the verify task never ran (its drafts failed): verify again without drafts
+                args = self._verify_args(verify_batch)
+                verify_ref = self.verifier.verify.remote(*args[:4], None, None, args[4])
+                num_drafts = [0] * len(verify_batch)
+            result = await self._verifier_result(verify_ref, "verify")
+            if regime == "sd":
+                tokens, logprobs, record.t_draft_ms, record.t_verify_ms = result
+            else:
+                tokens, logprobs, record.t_verify_ms = result
+            kept = commit_tokens(verify_batch, tokens, logprobs, num_drafts)
+            self._emit(verify_batch, kept)
+            record.emitted = sum(len(t) for t in tokens)
+            record.draft_tokens = sum(num_drafts)
+            record.accepted = sum(len(t) - 1 for t, nd in zip(tokens, num_drafts) if nd)
+        if regime == "psd" and draft_batch and drafts_ok:
+            self.pending[1 - vn] = {"ref": draft_refs[0], "order": {r.id: i for i, r in enumerate(draft_batch)}}
+
+        self._retire()
+        self._place(new, vn if regime == "psd" else None)
+        if regime == "psd":
+            self.verify_next = 1 - vn
+        self._rebalance()
+        record.sizes = (len(self.batches[0]), len(self.batches[1]))
+        record.step_ms = (time.perf_counter() - t0) * 1e3
+        self.counters["steps"] += 1
+        self.history.append(record)
+        for listener in self.step_listeners:
+            listener(record)
+
+    def _verify_args(self, batch: list[Request]) -> tuple:
+        return ([r.slot for r in batch], [r.last_token for r in batch], [len(r.output_ids) for r in batch],
+                [_sampling_row(r) for r in batch], max(r.params.logprobs or 0 for r in batch))
+
+    def _draft_args(self, batch: list[Request]) -> list[tuple]:
+        return [(row.slot, row.valid, row.catchup) for row in draft_rows(batch)]
+
+    def _submit_draft(self, batch: list[Request]):
+        """-> (drafts ref, device-ms ref): two returns so the drafts can go to the verifier by ref
+        while the manager only waits on the tiny timing object."""
+        return self.drafter.draft.options(num_returns=2).remote(
+            self._draft_args(batch), self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch])
+
+    async def _verifier_result(self, ref, what: str):
+        try:
+            return await self._get(ref, what)
+        except Exception as e:
+            raise EngineDeadError(f"the verifier failed during {what}: {e}") from e
+
+    # ---- batches -------------------------------------------------------------------------------
+    def _retire(self) -> None:
+        for i, batch in enumerate(self.batches):
+            keep = []
+            for r in batch:
+                if r.finished:
+                    continue
+                if r.aborted:
+                    self._finish(r, "abort")
+                    continue
+                keep.append(r)
+            self.batches[i] = keep
+
+    def _place(self, new: list[Request], drafted_next: int | None) -> None:
+        """New requests join the smaller batch; on a tie, the batch drafted next step, so their
+        first verify step carries drafts."""
+        for r in new:
+            if r.finished:
+                continue
+            if r.aborted:
+                self._finish(r, "abort")
+                continue
+            if self.mode != "psd":
+                self.batches[0].append(r)
+                continue
+            a, b = len(self.batches[0]), len(self.batches[1])
+            if a != b:
+                self.batches[0 if a < b else 1].append(r)
+            else:
+                self.batches[drafted_next if drafted_next is not None else 0].append(r)
+
+    def _rebalance(self) -> None:
+        """Keep | |A| - |B| | <= 1: move a request to the smaller batch, dropping its pending drafts
+        (it then gets one target-only token, or is drafted next step)."""
+        if self.mode != "psd":
+            return
+        while abs(len(self.batches[0]) - len(self.batches[1])) > 1:
+            big = 0 if len(self.batches[0]) > len(self.batches[1]) else 1
+            r = self.batches[big].pop()
+            if self.pending[big] is not None:
+                self.pending[big]["order"].pop(r.id, None)
+            self.batches[1 - big].append(r)
+            self.counters["moves"] += 1
+        total = self._num_running()
+        if total >= 2 and abs(len(self.batches[0]) - len(self.batches[1])) > 1:
+            self.counters["balance_violations"] += 1
+
+    # ---- drafter faults --------------------------------------------------------------------------
+    def _drafter_down(self, error: Exception) -> None:
+        if not self.drafter_alive:
+            return
+        self.drafter_alive = False
+        self.pending = [None, None]
+        self.counters["drafter_failures"] += 1
+        log.warning("drafter failed (%s); serving in ar mode while it restarts", error)
+        if self._restart_task is None or self._restart_task.done():
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart_drafter())
+
+    async def _restart_drafter(self) -> None:
+        delay = 0.5
+        while not self.dead:
+            old, self.drafter = self.drafter, None
+            try:
+                ray.kill(old, no_restart=True)
+            except Exception:
+                pass
+            try:
+                self.drafter = self._new_drafter()
+                await self._get(self.drafter.ready.remote(), "drafter restart")
+            except Exception as e:
+                log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                continue
+            for r in self.batches[0] + self.batches[1] + list(self.waiting):
+                r.draft_valid = 0  # the new drafter holds no KV: catch up from the start
+            self.counters["drafter_restarts"] += 1
+            self.drafter_alive = True
+            log.warning("drafter restarted; speculative decoding resumed")
+            self._wake.set()
+            return

@@ -1,0 +1,173 @@
+"""GPU actors. Each wraps the engine layer (one device, no Ray inside) and speaks in small
+host-side messages: slot ids, token ids, counts. Only the draft channel carries tensors.
+
+The torch device is picked here, not by the placement group: Ray sets CUDA_VISIBLE_DEVICES for
+an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same code runs on CPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ..config import EngineConfig
+from ..engine.loader import check_pair, load_model
+from ..engine.runner import ModelRunner
+from ..engine.sampling import SamplingBatch, SamplingParams
+from ..engine.spec import Drafter, DraftRow, Verifier
+
+log = logging.getLogger("minedraft.runtime")
+
+
+def pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | None:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    return torch.float32 if device.type == "cpu" else None  # None: the checkpoint's dtype
+
+
+class StepTimer:
+    """Device time of a block of work: CUDA events on a GPU, wall time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+
+    @property
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1e3
+
+
+def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
+    """rows: (temperature, top_p, top_k, seed) per request -> SamplingBatch."""
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k, _ in rows]
+    return SamplingBatch.build(params, device, seeds=[s for *_, s in rows])
+
+
+class _Worker:
+    def __init__(self, config: dict, num_slots: int):
+        self.config = EngineConfig.model_validate(config)
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        self.device = pick_device(self.config)
+        self.dtype = pick_dtype(self.config, self.device)
+        self.num_slots = num_slots
+        self.vocab_limit = check_pair(self.config.target, self.config.draft).shared_vocab \
+            if self.config.uses_drafter else None
+
+    def _runner(self, path: str) -> ModelRunner:
+        model = load_model(path, self.device, self.dtype)
+        return ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
+                           self.config.cuda_graphs, self.vocab_limit)
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _gpu_ids():
+    import ray
+    try:
+        return [str(g) for g in ray.get_gpu_ids()]
+    except Exception:  # outside Ray
+        return []
+
+
+class VerifierWorker(_Worker):
+    """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
+    verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
+
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
+        self.verifier = Verifier(self._runner(self.config.target))
+
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
+        with StepTimer(self.device) as timer:
+            result = self.verifier.prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
+            tokens, logprobs = result.to_host()
+        return tokens, logprobs, timer.ms
+
+    def verify(self, slots: list[int], last_tokens: list[int], positions: list[int], sampling: list[tuple],
+               drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
+        """drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b]
+        is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
+        with StepTimer(self.device) as timer:
+            host = torch.tensor([slots, last_tokens, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+            slot_t, last_t, pos_t = host
+            batch = sampling_batch(sampling, self.device)
+            draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
+            result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
+                                          num_logprobs)
+            tokens, logprobs = result.to_host()
+        return tokens, logprobs, timer.ms
+
+    def _gather_drafts(self, drafts, draft_index, batch):
+        if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
+            empty = torch.zeros((batch, 0), dtype=torch.int64, device=self.device)
+            return empty, torch.zeros(batch, dtype=torch.int64, device=self.device), None
+        index = torch.tensor(draft_index, dtype=torch.int64).to(self.device, non_blocking=True)
+        has = index >= 0
+        ids = drafts["ids"].to(self.device, non_blocking=True)[index.clamp(min=0)]            # [B, k]
+        num_drafts = torch.where(has, ids.shape[1], 0)
+        probs = drafts.get("probs")
+        if probs is not None:
+            probs = probs.to(self.device, non_blocking=True)[index.clamp(min=0)]              # [B, k, V]
+        return ids, num_drafts, probs
+
+
+class DrafterWorker(_Worker):
+    """The draft model on its own GPU: k greedy (or sampled) tokens per row from final tokens."""
+
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
+        self.drafter = Drafter(self._runner(self.config.draft), self.config.draft_temperature)
+        self.keep_on_device = False  # object-store channel: ship host tensors
+
+    def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
+        """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
+        with StepTimer(self.device) as timer:
+            pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids, probs = self.drafter.draft([DraftRow(*r) for r in rows], k, seeds, pos_t)
+            if not self.keep_on_device:
+                ids = ids.cpu()
+                probs = probs.cpu() if probs is not None else None
+        return {"ids": ids, "probs": probs}, timer.ms
+
+
+class SpecWorker(VerifierWorker):
+    """`sd` mode: drafter and target in one actor on one GPU; a whole step with no Ray hop inside."""
+
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
+        self.drafter = Drafter(self._runner(self.config.draft), self.config.draft_temperature)
+
+    def step(self, draft_rows: list[tuple], k: int, slots, last_tokens, positions, sampling, num_logprobs):
+        with StepTimer(self.device) as draft_timer:
+            pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, [s[-1] for s in sampling], pos_t)
+        t_draft = draft_timer.ms
+        tokens, logprobs, t_verify = self.verify(slots, last_tokens, positions, sampling,
+                                                 {"ids": ids, "probs": probs}, list(range(len(slots))),
+                                                 num_logprobs)
+        return tokens, logprobs, t_draft, t_verify
