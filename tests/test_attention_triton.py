@@ -1,0 +1,163 @@
+"""attend_triton against a plain torch reference.
+
+Without a GPU the kernels run in Triton's interpreter, which must be switched on before triton is
+first imported (@triton.jit and triton.language's own helpers read TRITON_INTERPRET then). If an
+earlier test module already imported triton compiled, the CPU tests rerun this file in a fresh process.
+K/V rows past each slot's live length are NaN, so a kernel that reads them fails the comparison.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ON_CPU = not torch.cuda.is_available()
+if ON_CPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # no GPU: the interpreter is the only way to run a kernel here
+
+triton = pytest.importorskip("triton", reason="triton is not importable")
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+INTERPRETED = isinstance(tl.standard.max, InterpretedFunction)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="triton was not imported for the interpreter")
+
+
+@pytest.mark.skipif(INTERPRETED or not ON_CPU, reason="only when triton was imported compiled on a CPU machine")
+def test_in_fresh_interpreter_process():
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+@pytest.fixture
+def attend_cpu(monkeypatch):
+    # The interpreter keeps bf16 as uint16 and tl.dot multiplies the bit patterns
+    # (triton-lang/triton#11584, unsupported upstream). Convert dot operands to fp32 first, which is
+    # what the tensor cores compute with; every other bf16 op the kernel uses is a load, store or cast.
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_bf16)
+    from minedraft_ray.engine.attention_triton import attend_triton
+
+    return attend_triton
+
+
+def reference_attend(q, k_cache, v_cache, slots, positions, scale):
+    B, qlen, Hq, D = q.shape
+    G = Hq // k_cache.shape[2]
+    out = torch.empty(B, qlen, Hq, D)
+    for b in range(B):
+        live = int(positions[b].max()) + 1
+        k = k_cache[slots[b], :live].float().repeat_interleave(G, dim=1)  # [live, Hq, D]
+        v = v_cache[slots[b], :live].float().repeat_interleave(G, dim=1)
+        scores = torch.einsum("ihd,nhd->ihn", q[b].float(), k) * scale  # [qlen, Hq, live]
+        hidden = torch.arange(live)[None, :] > positions[b][:, None]  # [qlen, live]
+        scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+        out[b] = torch.einsum("ihn,nhd->ihd", scores.softmax(-1), v)
+    return out.to(q.dtype)
+
+
+def make_case(first_positions, qlen, groups, head_dim, dtype, kv_heads=2, rows=40, slots=(5, 0, 3, 2, 4, 1),
+              device="cpu"):
+    """Rows b start at first_positions[b] (their cache length) and hold qlen consecutive query tokens."""
+    torch.manual_seed(0)
+    B = len(first_positions)
+    q = torch.randn(B, qlen, kv_heads * groups, head_dim, dtype=dtype, device=device)
+    k_cache = torch.full((max(slots) + 1, rows, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.tensor(slots[:B], device=device)  # slot ids differ from row ids
+    positions = torch.tensor(first_positions, device=device)[:, None] + torch.arange(qlen, device=device)
+    for b in range(B):  # only keys 0..max position are live; the rest stays NaN
+        live = int(positions[b, -1]) + 1
+        k_cache[slots[b], :live] = torch.randn(live, kv_heads, head_dim, dtype=dtype, device=device)
+        v_cache[slots[b], :live] = torch.randn(live, kv_heads, head_dim, dtype=dtype, device=device)
+    return q, k_cache, v_cache, slots, positions
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("qlen", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 3])  # 1: stage 1 writes the output; 3: split + combine
+def test_matches_reference(attend_cpu, qlen, groups, dtype, num_splits):
+    rows = 40
+    # live lengths 1, 2, R (a query at the last row), and two in between
+    first = [0, 1 if qlen == 1 else 0, rows - qlen, 17, 30 - qlen]
+    case = make_case(first, qlen, groups, head_dim=16, dtype=dtype, rows=rows)
+    out = attend_cpu(*case, scale=0.25, num_splits=num_splits, block_n=16)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    torch.testing.assert_close(out, reference_attend(*case, scale=0.25), **TOL[dtype])
+
+
+@interpreter_only
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_default_heuristics_head_dims(attend_cpu, head_dim):
+    case = make_case([0, 70, 128 - 5], qlen=5, groups=4, head_dim=head_dim, dtype=torch.bfloat16, rows=128)
+    out = attend_cpu(*case, scale=head_dim ** -0.5)
+    torch.testing.assert_close(out, reference_attend(*case, scale=head_dim ** -0.5), **TOL[torch.bfloat16])
+
+
+@interpreter_only
+def test_prefill_sized_query(attend_cpu):
+    # 40 tokens x 2 heads per kv head = 80 query rows: two row blocks, each skipping keys past its last position
+    case = make_case([0, 9], qlen=40, groups=2, head_dim=16, dtype=torch.float32, rows=64)
+    for num_splits in (1, 2):
+        out = attend_cpu(*case, scale=0.25, num_splits=num_splits, block_n=16)
+        torch.testing.assert_close(out, reference_attend(*case, scale=0.25), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("qlen", [1, 5])
+def test_launch_shape_fills_sms_and_stays_in_slot(qlen):
+    from minedraft_ray.engine.attention_triton import launch_shape
+
+    # Llama-8B shape on a 132-SM GPU: small batches split keys to fill the SMs, large ones need no combine
+    cpu = torch.device("cpu")
+    splits = {B: launch_shape(B, qlen, 32, 8, 4106, 128, cpu)[2] for B in (1, 16, 64, 128)}
+    assert splits[1] > splits[16] > 1 and splits[128] == 1
+    block_m, block_n, splits = launch_shape(1, qlen, 32, 8, 40, 128, cpu)
+    assert splits <= triton.cdiv(40, block_n) and block_m >= 4 * qlen
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("batch", [1, 64])
+def test_cuda_matches_reference(batch):
+    from minedraft_ray.engine.attention_triton import attend_triton
+
+    first = [(37 * b) % 1000 for b in range(batch)]
+    first[0] = 1024 - 5
+    case = make_case(first, qlen=5, groups=4, head_dim=128, dtype=torch.bfloat16, kv_heads=8, rows=1024,
+                     slots=torch.randperm(batch).tolist(), device="cuda")
+    out = attend_triton(*case, scale=128 ** -0.5)
+    ref = reference_attend(*(t.cpu() for t in case), scale=128 ** -0.5)
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
+
+
+@cuda
+def test_cuda_graph_replay_follows_positions():
+    from minedraft_ray.engine.attention_triton import attend_triton
+
+    q, k_cache, v_cache, slots, positions = make_case([100, 7, 500], qlen=1, groups=4, head_dim=64,
+                                                      dtype=torch.bfloat16, kv_heads=8, rows=1024, device="cuda")
+    k_cache.nan_to_num_(0.0), v_cache.nan_to_num_(0.0)  # the replay below looks further than the capture
+    attend_triton(q, k_cache, v_cache, slots, positions, 0.125)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_triton(q, k_cache, v_cache, slots, positions, 0.125)
+    positions.copy_(torch.tensor([[900], [3], [1000]], device="cuda"))
+    graph.replay()
+    ref = reference_attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), slots.cpu(), positions.cpu(), 0.125)
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
