@@ -1,0 +1,272 @@
+"""A lean decoder for Llama / Qwen2 / Qwen3 / Mistral checkpoints over the slot KV cache.
+
+q/k/v and gate/up projections are fused into one matmul each (loader.py fills the slices); RoPE cos/sin
+are precomputed once in fp32 and gathered by position, so a forward step has no host sync and no
+per-row Python, and one CUDA graph per (batch, q) shape serves every step.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import attend, write_kv
+from .kv_cache import HEADROOM, KVCache
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+def _unsupported(what: str) -> UnsupportedArchitectureError:
+    return UnsupportedArchitectureError(
+        f"{what}; supported architectures: {', '.join(ARCHITECTURES)} "
+        "(SiLU MLP, RoPE of type default/linear/llama3, no sliding window)")
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+@dataclass
+class ModelConfig:
+    arch: str                      # "llama" | "qwen2" | "qwen3" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None     # rope_type "llama3" or "linear"; None = plain RoPE
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False         # bias on q/k/v (Qwen2 always)
+    qk_norm: bool = False                # Qwen3: per-head RMSNorm on q and k before RoPE
+    eos_token_ids: tuple[int, ...] = ()  # union of config.json and generation_config.json eos ids
+    bos_token_id: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    @classmethod
+    def from_pretrained(cls, path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face model folder)")
+        hf = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf_dict(hf, gen)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, gen: dict | None = None) -> "ModelConfig":
+        names = hf.get("architectures") or []
+        arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+        if arch is None:
+            raise _unsupported(f"unsupported architecture {names or hf.get('model_type')!r}")
+        if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias", False):
+            raise _unsupported(f"unsupported MLP (hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')})")
+
+        # transformers >= 5 folds rope_theta/rope_scaling into rope_parameters; older configs keep them apart
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise _unsupported(f"unsupported rope_type {rope_type!r}")
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+
+        max_pos = int(hf.get("max_position_embeddings", 4096))
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+        if window:
+            # no sliding-window attention here: contexts up to the window are exact, longer ones are refused
+            max_pos = min(max_pos, int(window))
+
+        heads = int(hf["num_attention_heads"])
+        eos = _as_ids(hf.get("eos_token_id")) + _as_ids((gen or {}).get("eos_token_id"))
+        dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
+        bos = hf.get("bos_token_id", (gen or {}).get("bos_token_id"))
+        return cls(
+            arch=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=None if bos is None else int(_as_ids(bos)[0]),
+            dtype=_DTYPES[dtype_name],
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[D/2] fp32 inverse frequencies, including Llama-3.1 style frequency scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """[P, D] fp32: cos in the first D/2 columns, sin in the last D/2, for positions 0..P-1.
+
+    P covers max_position_embeddings plus the KV headroom, since a verify step writes past the length.
+    """
+    positions = torch.arange(cfg.max_position_embeddings + HEADROOM, dtype=torch.float32, device=device)
+    freqs = positions[:, None] * rope_inv_freq(cfg).to(device)[None, :]  # [P, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, q, H, D]; cos, sin: [B, q, 1, D/2] fp32. Rotates (x1, x2) halves, as HF's rotate_half does.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32, scale in the model dtype (same rounding as HF)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        dt = cfg.dtype
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt)
+        # Qwen2 has q/k/v biases only; Llama/Qwen3 `attention_bias` also covers o_proj
+        o_bias = cfg.attention_bias and cfg.arch != "qwen2"
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dt)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, slots, positions):
+        # x: [B, q, H]; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k_cache, v_cache, slots, positions, k, v)
+        out = attend(q, k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
+        return self.o_proj(out.reshape(B, T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=cfg.dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=cfg.dtype)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, slots, positions):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, slots, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder over a slot KV cache. `forward` writes K/V but never advances `cache.lengths`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        # tied checkpoints reuse embed_tokens.weight in compute_logits
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        # fp32 even in a bf16 model; the loader rebuilds it on the target device
+        self.register_buffer("rope_cache", rope_cos_sin(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
+        # input_ids: [B, q] int64; slots: [B] int64 -> hidden [B, q, H]
+        T = input_ids.shape[1]
+        positions = cache.lengths[slots][:, None] + torch.arange(T, device=input_ids.device)  # [B, q]
+        cos, sin = self.rope_cache[positions].unsqueeze(2).chunk(2, dim=-1)  # [B, q, 1, D/2] each
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], slots, positions)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., V] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def make_cache(self, num_slots: int, max_len: int, device=None) -> KVCache:
+        """A KV cache shaped for this model (in its dtype, on its device unless `device` is given)."""
+        device = device if device is not None else self.embed_tokens.weight.device
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
+                       self.embed_tokens.weight.dtype, device)

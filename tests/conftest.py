@@ -1,0 +1,34 @@
+"""Session-wide tiny checkpoints (random weights, real HF format), built once into a temp dir."""
+import pytest
+
+from minedraft_ray.testing.tiny import make_noised_draft, make_tiny_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    # Llama-3.1 style RoPE scaling; original context 64 puts head-dim frequencies in all three bands
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama", rope_scaling=LLAMA3_ROPE)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    # tied embeddings and q/k/v biases, like Qwen2.5-0.5B
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), "mistral", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft(tiny_llama, tmp_path_factory):
+    return make_noised_draft(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft"))
