@@ -1,0 +1,98 @@
+"""Lossless batched rejection sampling for speculative decoding (Leviathan et al. 2023, arXiv 2211.17192).
+
+With p the processed target distribution (`process_logits`) and q the distribution a draft was sampled
+from, draft j is accepted with probability min(1, p(d_j) / q(d_j)); at the first rejection the emitted token
+is drawn from norm(max(0, p - q)); if every draft is accepted a bonus token is drawn from p at the position
+after the last draft. Each emitted token is then distributed exactly as the target would have sampled it.
+
+Everything is batched over rows with per-row draft counts, and nothing reads back to the host: the first
+rejection index comes from a cumprod, and only the one distribution per row that is actually sampled from
+(residual or bonus) is gathered and raced, with one vocab-wide noise draw per row.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESIDUAL, PURPOSE_SAMPLE, SamplingBatch,
+                       exponential_race, noise_uniform, process_logits, sample)
+
+
+def draft_sample(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor):
+    """Probabilistic drafting: draft_logits [B, V], positions [B] (output position of the drafted token).
+    Returns (ids [B] int64, probs [B, V] float32), probs being exactly the q the ids were drawn from, as
+    rejection_sample needs it. Greedy rows get argmax ids and one-hot probs. (Greedy drafting is plain argmax
+    with draft_probs=None in rejection_sample.)"""
+    probs = process_logits(draft_logits, batch)                                   # [B, V]
+    u = noise_uniform(batch.seed, positions.view(-1, 1), PURPOSE_DRAFT, draft_logits.shape[-1])[:, 0]
+    return exponential_race(probs, u), probs
+
+
+def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                     batch: SamplingBatch, positions: torch.Tensor, draft_probs: torch.Tensor | None = None):
+    """target_logits [B, k+1, V] float32: logits at the k+1 verify positions (position j predicts the token
+    after draft j-1); draft_ids [B, k] int64; num_drafts [B] int64 in 0..k (entries past it are ignored);
+    positions [B]: absolute output position of the first token this step emits; draft_probs [B, k, V] or
+    None for greedy (one-hot) drafting.
+
+    Returns out_ids [B, k+1] int64 (-1 past the emitted ones) and num_emitted [B] int64 = accepted + 1."""
+    B, k = draft_ids.shape
+    device = draft_ids.device
+    if k == 0:
+        ids = sample(target_logits[:, 0], batch, positions)
+        return ids.view(B, 1), torch.ones(B, dtype=torch.int64, device=device)
+    j = torch.arange(k + 1, device=device)                                         # [k+1]
+    valid = j[:k] < num_drafts.view(-1, 1)                                         # [B, k]
+    drafts = torch.where(valid, draft_ids, 0)                                      # padding may hold -1
+    if batch.all_greedy:
+        return _greedy(target_logits, drafts, valid, j)
+
+    p = process_logits(target_logits, batch)                                       # [B, k+1, V]
+    p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                # [B, k]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    u = noise_uniform(batch.seed, positions.view(-1, 1) + j[:k], PURPOSE_ACCEPT)  # [B, k]
+    # accept with probability min(1, p/q), written without a division: q = 0 with p > 0 accepts
+    accept = (u * q_draft < p_draft) & valid
+    num_accepted = accept.long().cumprod(1).sum(1)                                 # [B], first rejection index
+    rejected = num_accepted < num_drafts                                           # [B]
+
+    rows = torch.arange(B, device=device)
+    p_last = p[rows, num_accepted]                                                 # [B, V]
+    # the rejected draft; where all were accepted the last real one (q_last is then unused, but never padding)
+    last_draft = torch.minimum(num_accepted, num_drafts - 1).clamp_min(0)
+    if draft_probs is None:
+        q_last = torch.zeros_like(p_last).scatter_(-1, drafts[rows, last_draft].view(-1, 1), 1.0)
+    else:
+        q_last = draft_probs[rows, last_draft]                                     # [B, V]
+    weights = _final_weights(p_last, q_last, rejected)                             # [B, V]
+    purpose = torch.where(rejected, PURPOSE_RESIDUAL, PURPOSE_SAMPLE).view(-1, 1)
+    u_last = noise_uniform(batch.seed, (positions + num_accepted).view(-1, 1), purpose, p.shape[-1])[:, 0]
+    last = exponential_race(weights, u_last)                                       # [B]
+
+    out = torch.where(j < num_accepted.view(-1, 1), torch.cat([drafts, drafts[:, :1]], 1),
+                      torch.where(j == num_accepted.view(-1, 1), last.view(-1, 1), -1))
+    return out, num_accepted + 1
+
+
+def _greedy(target_logits, drafts, valid, j):
+    # accept while draft == target argmax, then emit the argmax (correction or bonus): no probabilities
+    target = target_logits.argmax(-1)                                              # [B, k+1]
+    k = drafts.shape[1]
+    num_accepted = ((drafts == target[:, :k]) & valid).long().cumprod(1).sum(1)    # [B]
+    out = torch.where(j <= num_accepted.view(-1, 1), target, -1)
+    return out, num_accepted + 1
+
+
+def _final_weights(p_last: torch.Tensor, q_last: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    # the distribution of the token emitted after the accepted drafts, as race weights [B, V]:
+    # the residual after a rejection, else the bonus distribution p
+    return torch.where(rejected.view(-1, 1), _residual(p_last, q_last), p_last)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    # max(0, p - q), left unnormalised: the exponential race is scale-invariant. All-zero happens only
+    # when p == q, where a rejection has probability 0 but rounding can still produce one: fall back to p.
+    r = (p - q).clamp_min(0)
+    return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
