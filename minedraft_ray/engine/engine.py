@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from .kv_cache import MAX_K, KVCache, SlotAllocator
 from .loader import check_pair, load_model, load_tokenizer
+from .presets import resolve_model
 from .request import Request
 from .runner import ModelRunner
 from .sampling import SamplingBatch, SamplingParams
@@ -82,6 +83,7 @@ class Engine:
         self.device = torch.device(device) if device is not None else default_device()
         if dtype is None and self.device.type == "cpu":
             dtype = torch.float32
+        target, draft = resolve_model(target), resolve_model(draft)
         self.tokenizer = load_tokenizer(target)
         vocab_limit = check_pair(target, draft).shared_vocab if mode == "sd" else None
         target_model = load_model(target, self.device, dtype)

@@ -16,7 +16,9 @@ import torch
 
 from .rejection import draft_sample, rejection_sample
 from .runner import ModelRunner
-from .sampling import SamplingBatch, SamplingParams, logprobs_topk, sample
+from .sampling import SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
+
+PURPOSE_SYNTHETIC = 17  # noise stream of the benchmark-only synthetic acceptance
 
 
 @dataclass
@@ -94,8 +96,12 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, synthetic_acceptance: float | None = None):
+        """synthetic_acceptance: benchmarks only (never reachable from serving). Random-weight
+        models accept nothing, so the accepted count is overridden by seeded draws keyed by
+        (request seed, output position): the same draws in every mode."""
         self.runner, self.device = runner, runner.device
+        self.synthetic_acceptance = synthetic_acceptance
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]], batch: SamplingBatch,
@@ -120,6 +126,20 @@ class Verifier:
         ids = torch.cat([last_tokens[:, None], draft_ids], 1)            # [B, k+1]
         logits = self.runner.step(slots, ids)                            # [B, k+1, V]
         tokens, num_emitted = rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)
+        if self.synthetic_acceptance is not None and k > 0:
+            tokens, num_emitted = self._synthetic(logits, draft_ids, num_drafts, batch, positions)
         self.runner.rollback(slots, (k + 1) - num_emitted)
         lp = logprobs_topk(logits, batch, tokens.clamp(min=0), num_logprobs) if num_logprobs else None
         return VerifyResult(tokens, num_emitted, lp)
+
+    def _synthetic(self, logits, draft_ids, num_drafts, batch, positions):
+        """Accept draft j while u(seed, position + j) < alpha; then one target (argmax) token."""
+        k = draft_ids.shape[1]
+        j = torch.arange(k + 1, device=self.device)                                   # [k+1]
+        u = noise_uniform(batch.seed, positions[:, None] + j[:k], PURPOSE_SYNTHETIC)   # [B, k]
+        accepted = ((u < self.synthetic_acceptance) & (j[:k] < num_drafts[:, None])).long().cumprod(1).sum(1)
+        target = logits.argmax(-1)                                                   # [B, k+1]
+        drafts = torch.cat([draft_ids, target[:, -1:]], 1)                           # [B, k+1]
+        tokens = torch.where(j < accepted[:, None], drafts, target)
+        tokens = torch.where(j <= accepted[:, None], tokens, -1)
+        return tokens, accepted + 1

@@ -36,8 +36,8 @@ class RequestOutput:
 class ManagerActor:
     """Async actor hosting a BatchManager (bundle 0 of the placement group)."""
 
-    def __init__(self, config: dict):
-        self.manager = BatchManager(EngineConfig.model_validate(config))
+    def __init__(self, config: dict, bench: dict | None = None):
+        self.manager = BatchManager(EngineConfig.model_validate(config), bench=bench)
 
     async def start(self) -> dict:
         await self.manager.start()
@@ -88,7 +88,7 @@ def init_local_ray(**kwargs) -> None:
 
 class LLM:
     def __init__(self, target: str | None = None, draft: str | None = None, mode: str = "psd", k: int = 4,
-                 max_batch: int = 8, config: EngineConfig | None = None, **settings):
+                 max_batch: int = 8, config: EngineConfig | None = None, _bench: dict | None = None, **settings):
         if config is None:
             fields = {"mode": mode, "k": k, "max_batch": max_batch, **settings}
             if target is not None:
@@ -103,10 +103,11 @@ class LLM:
             num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=True),
-        ).remote(config.model_dump())
+        ).remote(config.model_dump(), _bench)
         self.worker_info = ray.get(self.manager.start.remote())
         from ..engine.loader import load_tokenizer
-        self.tokenizer = load_tokenizer(config.target)
+        from ..engine.presets import resolve_model
+        self.tokenizer = load_tokenizer(resolve_model(config.target))
 
     def _encode(self, prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

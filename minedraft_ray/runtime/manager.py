@@ -24,6 +24,7 @@ from ..engine.engine import commit_tokens, draft_rows
 from ..engine.kv_cache import SlotAllocator
 from ..engine.loader import load_tokenizer
 from ..engine.model import ModelConfig
+from ..engine.presets import resolve_model
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from .placement import actor_options, create_placement_group
@@ -78,11 +79,14 @@ def _sampling_row(r: Request) -> tuple:
 
 
 class BatchManager:
-    def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None):
+    def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
+                 bench: dict | None = None):
         self.config = config
+        self.bench = bench  # benchmark-only worker options (synthetic acceptance); never set by Serve
         self.mode, self.k = config.mode, config.k
-        self.tokenizer = load_tokenizer(config.target)
-        self.eos_token_ids = tuple(ModelConfig.from_pretrained(config.target).eos_token_ids)
+        target_dir = resolve_model(config.target)
+        self.tokenizer = load_tokenizer(target_dir)
+        self.eos_token_ids = tuple(ModelConfig.from_pretrained(target_dir).eos_token_ids)
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
         if self.num_slots < config.max_running:
@@ -116,10 +120,11 @@ class BatchManager:
             self._own_pg = True
         cfg = self.config.model_dump()
         if self.mode == "sd":
-            self.verifier = SpecActor.options(**actor_options(self._pg, self.mode, "spec")).remote(cfg, self.num_slots)
+            self.verifier = SpecActor.options(**actor_options(self._pg, self.mode, "spec")).remote(
+                cfg, self.num_slots, self.bench)
         else:
             self.verifier = VerifierActor.options(**actor_options(self._pg, self.mode, "verifier")).remote(
-                cfg, self.num_slots)
+                cfg, self.num_slots, self.bench)
         waits = [self._get(self.verifier.ready.remote(), "verifier start")]
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
@@ -131,7 +136,7 @@ class BatchManager:
 
     def _new_drafter(self):
         return DrafterActor.options(**actor_options(self._pg, self.mode, "drafter")).remote(
-            self.config.model_dump(), self.num_slots)
+            self.config.model_dump(), self.num_slots, self.bench)
 
     async def shutdown(self) -> None:
         if self._loop_task:

@@ -14,6 +14,7 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.loader import check_pair, load_model
+from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier
@@ -66,14 +67,16 @@ def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
 
 
 class _Worker:
-    def __init__(self, config: dict, num_slots: int):
+    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         self.config = EngineConfig.model_validate(config)
+        self.bench = bench or {}
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = pick_device(self.config)
         self.dtype = pick_dtype(self.config, self.device)
         self.num_slots = num_slots
-        self.vocab_limit = check_pair(self.config.target, self.config.draft).shared_vocab \
+        self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
+        self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
 
     def _runner(self, path: str) -> ModelRunner:
@@ -98,9 +101,9 @@ class VerifierWorker(_Worker):
     """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
     verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
 
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
-        self.verifier = Verifier(self._runner(self.config.target))
+    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
+        super().__init__(config, num_slots, bench)
+        self.verifier = Verifier(self._runner(self.target_dir), self.bench.get("synthetic_acceptance"))
 
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
         with StepTimer(self.device) as timer:
@@ -139,9 +142,9 @@ class VerifierWorker(_Worker):
 class DrafterWorker(_Worker):
     """The draft model on its own GPU: k greedy (or sampled) tokens per row from final tokens."""
 
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
-        self.drafter = Drafter(self._runner(self.config.draft), self.config.draft_temperature)
+    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
+        super().__init__(config, num_slots, bench)
+        self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
         self.keep_on_device = False  # object-store channel: ship host tensors
 
     def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
@@ -158,9 +161,9 @@ class DrafterWorker(_Worker):
 class SpecWorker(VerifierWorker):
     """`sd` mode: drafter and target in one actor on one GPU; a whole step with no Ray hop inside."""
 
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
-        self.drafter = Drafter(self._runner(self.config.draft), self.config.draft_temperature)
+    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
+        super().__init__(config, num_slots, bench)
+        self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
 
     def step(self, draft_rows: list[tuple], k: int, slots, last_tokens, positions, sampling, num_logprobs):
         with StepTimer(self.device) as draft_timer:

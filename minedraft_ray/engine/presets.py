@@ -1,0 +1,91 @@
+"""Random-weight models at real shapes, for benchmarks and GPU smoke runs (no hub is reachable).
+
+A spec `random:<preset>` resolves to a model folder like any checkpoint: config.json,
+generation_config.json and tokenizer files, plus `random_weights.json` in place of safetensors,
+which tells `load_model` to initialise weights on the device instead of reading them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+RANDOM_PREFIX = "random:"
+RANDOM_MARKER = "random_weights.json"
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+PRESETS = {
+    # Llama-3.1-8B
+    "llama-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=128256, tie_word_embeddings=False, rope_scaling=_LLAMA3_ROPE),
+    # Llama-3.2-1B
+    "llama-1b": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     vocab_size=128256, tie_word_embeddings=True, rope_scaling=_LLAMA3_ROPE),
+    # small shapes for CPU smoke runs of the same code path
+    "tiny": dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=512, tie_word_embeddings=False, rope_scaling=None),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MINEDRAFT_CACHE", Path.home() / ".cache" / "minedraft"))
+
+
+def resolve_model(spec: str | os.PathLike | None) -> str | None:
+    """A model folder for `spec`: a path is returned as is; `random:<preset>` is materialised once."""
+    if spec is None or not str(spec).startswith(RANDOM_PREFIX):
+        return None if spec is None else str(spec)
+    name = str(spec)[len(RANDOM_PREFIX):]
+    if name not in PRESETS:
+        raise ValueError(f"unknown random preset {name!r}; known: {sorted(PRESETS)}")
+    folder = cache_root() / f"random-{name}"
+    if (folder / RANDOM_MARKER).is_file():
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    preset = dict(PRESETS[name])
+    rope = preset.pop("rope_scaling")
+    tok = _tokenizer(folder, preset["vocab_size"])
+    config = {"model_type": "llama", "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+              "rope_theta": (rope or {}).get("rope_theta", 10000.0), "torch_dtype": "bfloat16",
+              "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **preset}
+    if rope:
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.eos_token_id}))
+    (folder / RANDOM_MARKER).write_text(json.dumps({"preset": name, "std": 0.02}))
+    return str(folder)
+
+
+def _tokenizer(folder: Path, vocab_size: int):
+    """The tiny byte-level tokenizer, padded with reserved tokens to the model's vocabulary so
+    that every id the model can emit is a token (draft/target checks see equal vocabularies)."""
+    from ..testing.tiny import build_tokenizer
+    tok = build_tokenizer(folder)
+    missing = vocab_size - len(tok)
+    if missing > 0:
+        tok.add_tokens([f"<|reserved_{i}|>" for i in range(missing)], special_tokens=True)
+        tok.save_pretrained(str(folder))
+    return tok
+
+
+def is_random(folder: str | os.PathLike) -> bool:
+    return (Path(folder) / RANDOM_MARKER).is_file()
+
+
+@torch.no_grad()
+def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Normal(0, std) weights, unit norms: finite activations at any depth, like a trained model's scale."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
