@@ -7,6 +7,7 @@ with live lengths uniform in 128..1024. KV content does not change timing, so le
     python -m bench.engine_speed [--models 8b,1b] [--batches 1,16,64,128] [--no-transformers] [--smoke]
 
 floor_ms = (bytes of the linear layers and lm_head + live KV bytes the step reads) / 4.8 TB/s.
+The GPU machine gets the tree without .git: pass GIT_SHA=<sha> in the environment to record it.
 """
 from __future__ import annotations
 
