@@ -28,13 +28,9 @@ from ..engine.presets import resolve_model
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from .placement import actor_options, create_placement_group
-from .workers import DrafterWorker, SpecWorker, VerifierWorker
+from .transport import make_channel
 
 log = logging.getLogger("minedraft.runtime")
-
-VerifierActor = ray.remote(max_restarts=0)(VerifierWorker)
-DrafterActor = ray.remote(max_restarts=0)(DrafterWorker)
-SpecActor = ray.remote(max_restarts=0)(SpecWorker)
 
 
 class EngineOverloadedError(RuntimeError):
@@ -110,6 +106,8 @@ class BatchManager:
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
+        self.channel = make_channel(config.transport)
+        self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes()
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,10 +118,10 @@ class BatchManager:
             self._own_pg = True
         cfg = self.config.model_dump()
         if self.mode == "sd":
-            self.verifier = SpecActor.options(**actor_options(self._pg, self.mode, "spec")).remote(
+            self.verifier = self._spec_cls.options(**actor_options(self._pg, self.mode, "spec")).remote(
                 cfg, self.num_slots, self.bench)
         else:
-            self.verifier = VerifierActor.options(**actor_options(self._pg, self.mode, "verifier")).remote(
+            self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier")).remote(
                 cfg, self.num_slots, self.bench)
         waits = [self._get(self.verifier.ready.remote(), "verifier start")]
         if self.mode in ("sd_split", "psd"):
@@ -131,11 +129,13 @@ class BatchManager:
             waits.append(self._get(self.drafter.ready.remote(), "drafter start"))
         infos = await asyncio.gather(*waits)
         self.worker_info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
+        if self.drafter is not None:
+            await self.channel.connect(self.drafter, self.verifier, infos[0]["device"])
         self.drafter_alive = self.drafter is not None
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def _new_drafter(self):
-        return DrafterActor.options(**actor_options(self._pg, self.mode, "drafter")).remote(
+        return self._drafter_cls.options(**actor_options(self._pg, self.mode, "drafter")).remote(
             self.config.model_dump(), self.num_slots, self.bench)
 
     async def shutdown(self) -> None:
@@ -145,6 +145,7 @@ class BatchManager:
             self._restart_task.cancel()
         for r in list(self.requests.values()):
             self._finish(r, "abort", error="engine shut down")
+        await self.channel.disconnect()
         for actor in (self.verifier, self.drafter):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -227,7 +228,7 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
                 "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
-                "drafter_alive": self.drafter_alive, "dead": self.dead, **self.counters}
+                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters}
 
     # ---- the step loop -------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -373,8 +374,8 @@ class BatchManager:
     def _submit_draft(self, batch: list[Request]):
         """-> (drafts ref, device-ms ref): two returns so the drafts can go to the verifier by ref
         while the manager only waits on the tiny timing object."""
-        return self.drafter.draft.options(num_returns=2).remote(
-            self._draft_args(batch), self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch])
+        return self.channel.submit(self.drafter, (self._draft_args(batch), self.k, [r.seed for r in batch],
+                                                  [len(r.output_ids) for r in batch]))
 
     async def _verifier_result(self, ref, what: str):
         try:
@@ -450,7 +451,8 @@ class BatchManager:
                 pass
             try:
                 self.drafter = self._new_drafter()
-                await self._get(self.drafter.ready.remote(), "drafter restart")
+                info = await self._get(self.drafter.ready.remote(), "drafter restart")
+                await self.channel.connect(self.drafter, self.verifier, info["device"])
             except Exception as e:
                 log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)

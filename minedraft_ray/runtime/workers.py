@@ -147,6 +147,18 @@ class DrafterWorker(_Worker):
         self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
         self.keep_on_device = False  # object-store channel: ship host tensors
 
+    def set_keep_on_device(self, keep: bool) -> None:
+        """RDT channel: leave drafts on the device (they move over the collective group)."""
+        self.keep_on_device = keep
+
+    def draft_tensors(self, rows, k: int, seeds: list[int], positions: list[int]) -> dict:
+        """The RDT channel's single-return form of `draft`; its timing is read by `last_draft_ms`."""
+        drafts, self._last_ms = self.draft(rows, k, seeds, positions)
+        return drafts
+
+    def last_draft_ms(self) -> float:
+        return self._last_ms
+
     def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
         """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
         with StepTimer(self.device) as timer:

@@ -1,0 +1,185 @@
+"""The Ray runtime (issue: MineDraft on Ray), on a CPU with fake GPUs and one real local Ray
+cluster for the session: every mode's greedy output equals `ar`, the psd balance invariant holds
+through finishes and aborts, faults are survived, and sampled output follows the target."""
+import asyncio
+import time
+
+import pytest
+import ray
+
+from minedraft_ray.engine.engine import Engine
+from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime import LLM, make_bundles
+from minedraft_ray.runtime.manager import EngineDeadError
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
+           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "hello world, this is a longer "
+           "prompt that has quite a few more tokens than the others do", "# comment", "while True:", "1 + 1 ="]
+LENGTHS = [5, 30, 12, 1, 24, 17, 9, 28, 3, 20]   # varied lengths: finishes break the batches' balance
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    eng = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu")
+    return eng.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+
+
+def check_balance(history):
+    for rec in history:
+        a, b = rec.sizes
+        if a + b >= 2:
+            assert abs(a - b) <= 1, rec
+
+
+def test_make_bundles():
+    assert make_bundles("psd", use_gpus=True) == [{"CPU": 0.5}, {"GPU": 1, "CPU": 0.5}, {"GPU": 1, "CPU": 0.5}]
+    assert make_bundles("sd_split", use_gpus=True) == make_bundles("psd", use_gpus=True)
+    assert make_bundles("sd", use_gpus=True) == [{"CPU": 0.5}, {"GPU": 1, "CPU": 0.5}]
+    assert make_bundles("ar", use_gpus=False) == [{"CPU": 0.5}, {"CPU": 0.5}]
+    with pytest.raises(ValueError, match="unknown mode"):
+        make_bundles("fast")
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "sd_split", "psd"])
+def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
+              torch_threads=1)
+    try:
+        if mode in ("psd", "sd_split"):
+            gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}
+            assert len(gpus) == 2, llm.worker_info   # drafter and verifier on different (fake) GPUs
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        if mode != "ar":
+            rate = sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs)
+            assert 0.3 <= rate <= 0.9, rate
+        history = llm.history()
+        if mode == "psd":
+            assert any(h.regime == "psd" for h in history)
+            check_balance(history)
+            assert llm.info()["balance_violations"] == 0
+        assert llm.info()["slots_in_use"] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_draft, reference):
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1)
+
+    async def run_one(i, delay, abort_after=None):
+        await asyncio.sleep(delay)
+        ids, last = [], None
+        rid = f"r{i}-{abort_after}"
+        async for out in llm.stream(PROMPTS[i], greedy(LENGTHS[i] if abort_after is None else 40), rid):
+            ids += out.new_token_ids
+            last = out
+            if abort_after is not None and len(ids) >= abort_after:
+                await asyncio.to_thread(llm.abort, rid)
+        return ids, last
+
+    async def main():
+        jobs = [run_one(i, 0.05 * i) for i in range(len(PROMPTS))]
+        jobs += [run_one(1, 0.02, abort_after=4), run_one(4, 0.3, abort_after=2)]
+        return await asyncio.gather(*jobs)
+
+    try:
+        results = asyncio.run(main())
+        for i, (ids, last) in enumerate(results[:len(PROMPTS)]):
+            assert ids == reference[i].token_ids, i
+            assert last.finished and last.finish_reason == "length"
+        for ids, last in results[len(PROMPTS):]:
+            assert last.finish_reason == "abort"
+            assert len(ids) < 40
+        history = llm.history()
+        check_balance(history)
+        info = llm.info()
+        assert info["balance_violations"] == 0 and info["aborted"] == 2
+        assert info["slots_in_use"] == 0 and info["running"] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draft, reference):
+    """Below psd_min_requests the manager runs one sequential batch (psd would move each request
+    only every other step); at or above it, the two batches ping-pong."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, psd_min_requests=3, torch_threads=1)
+    try:
+        outs = llm.generate(PROMPTS[:2], [greedy(8)] * 2)
+        assert [o.token_ids for o in outs] == [r.token_ids[:8] for r in reference[:2]]
+        regimes = {h.regime for h in llm.history()}
+        assert regimes == {"seq"}, regimes
+        outs = llm.generate(PROMPTS[:6], [greedy(8)] * 6)
+        assert [o.token_ids for o in outs] == [r.token_ids[:8] for r in reference[:6]]
+        regimes = [h.regime for h in llm.history()]
+        assert "psd" in regimes
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["psd", "sd_split"])
+def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1)
+    try:
+        params = [greedy(n) for n in LENGTHS]
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
+        deadline = time.time() + 60
+        while llm.info()["steps"] < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        assert ray.get(llm.manager.kill_drafter.remote())
+        outs = ray.get(ref, timeout=120)
+        assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
+        info = llm.info()
+        assert info["drafter_failures"] >= 1
+        deadline = time.time() + 60
+        while not llm.info()["drafter_alive"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert llm.info()["drafter_restarts"] >= 1
+        regimes = [h.regime for h in llm.history()]
+        assert "ar" in regimes          # served target-only while the drafter was down
+        outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)   # and speculates again after the restart
+        assert [o.token_ids for o in outs] == [r.token_ids[:10] for r in reference[:4]]
+        assert sum(o.stats["accepted"] for o in outs) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft):
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30)
+    try:
+        verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:4]], [greedy(200)] * 4)
+        time.sleep(1.0)
+        ray.kill(verifier, no_restart=True)
+        with pytest.raises(Exception) as err:
+            ray.get(ref, timeout=60)
+        assert "verifier" in str(err.value)
+        with pytest.raises(Exception, match="verifier"):
+            llm.generate(PROMPTS[0], greedy(4))
+    finally:
+        llm.shutdown()
+
+
+def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft):
+    from stats import chi_square_pvalue
+    from test_engine import _exact_three_token_distribution
+    params = dict(temperature=0.8, top_k=3)
+    n = 1500
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=32, torch_threads=1)
+    try:
+        prompt = llm._encode("def fibonacci(n):")
+        outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
+                                           for s in range(n)])
+        assert any(h.regime == "psd" for h in llm.history())
+    finally:
+        llm.shutdown()
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    exact = _exact_three_token_distribution(tiny_llama, prompt, SamplingParams(**params))
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
