@@ -158,11 +158,61 @@ def rope_cos_sin(cfg: ModelConfig, device=None) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, q, H, D]; cos, sin: [B, q, 1, D/2] fp32. Rotates (x1, x2) halves, as HF's rotate_half does.
+# Elementwise helpers. On CUDA each one runs as one or two fused Triton kernels (torch.compile): a small-batch
+# step is otherwise launch bound (~10 tiny kernels per RMSNorm or RoPE; this halves a 1B model's decode step).
+# CPU runs the very same functions eagerly. Callers pass flattened tokens ([N, ...], fixed rank) so that
+# dynamic shapes cover every batch size with at most a second compile for N == 1.
+FUSE_ON_CUDA = True
+
+
+def _fused_on_cuda(fn):
+    compiled = None
+
+    def dispatch(x, *args):
+        nonlocal compiled
+        if not (x.is_cuda and FUSE_ON_CUDA):
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(x, *args)
+
+    return dispatch
+
+
+@_fused_on_cuda
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [N, D]. Normalise in fp32, scale in the model dtype (same rounding as HF).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@_fused_on_cuda
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    # x, residual: [N, D] -> (rms_norm(x + residual), x + residual): the residual add rides with the norm
+    h = x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hf.to(h.dtype), h
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # rotates the (first half, second half) pairs of the head dim, as HF's rotate_half does; math in fp32
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@_fused_on_cuda
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [N, Hq, D], k: [N, Hkv, D]; cos, sin: [N, 1, D/2] fp32
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@_fused_on_cuda
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [N, 2I] -> [N, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -171,11 +221,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32, scale in the model dtype (same rounding as HF)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # x: [N, D] -> normed; with residual: (normed(x + residual), x + residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -196,18 +246,18 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, slots, positions):
-        # x: [B, q, H]; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
-        B, T, _ = x.shape
+        # x: [N = B*q, H]; cos, sin: [N, 1, D/2]; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
+        B, T = positions.shape
+        N, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(k_cache, v_cache, slots, positions, k, v)
-        out = attend(q, k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
-        return self.o_proj(out.reshape(B, T, self.q_size))
+        if self.q_norm is not None:  # per-head norm, rows = (token, head)
+            q = self.q_norm(q.reshape(-1, D))
+            k = self.k_norm(k.reshape(-1, D))
+        q, k = rope_qk(q.reshape(N, self.num_heads, D), k.reshape(N, self.num_kv_heads, D), cos, sin)
+        write_kv(k_cache, v_cache, slots, positions, k.view(B, T, self.num_kv_heads, D),
+                 v.reshape(B, T, self.num_kv_heads, D))
+        out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
+        return self.o_proj(out.reshape(N, self.q_size))
 
 
 class MLP(nn.Module):
@@ -217,8 +267,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=cfg.dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -229,9 +278,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, slots, positions):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, slots, positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, slots, positions):
+        # x: [N, H] this layer's input delta; residual: [N, H] the stream before it (None at layer 0)
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, k_cache, v_cache, slots, positions)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
@@ -251,13 +303,14 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, slots: torch.Tensor) -> torch.Tensor:
         # input_ids: [B, q] int64; slots: [B] int64 -> hidden [B, q, H]
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
         positions = cache.lengths[slots][:, None] + torch.arange(T, device=input_ids.device)  # [B, q]
-        cos, sin = self.rope_cache[positions].unsqueeze(2).chunk(2, dim=-1)  # [B, q, 1, D/2] each
-        h = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cache[positions.flatten()].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
+        x, residual = self.embed_tokens(input_ids.flatten()), None  # tokens flattened: [N = B*q, H]
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.k[i], cache.v[i], slots, positions)
-        return self.norm(h)
+            x, residual = layer(x, residual, cos, sin, cache.k[i], cache.v[i], slots, positions)
+        x, _ = self.norm(x, residual)
+        return x.view(B, T, -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., H] -> [..., V] fp32
