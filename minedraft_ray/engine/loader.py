@@ -122,7 +122,7 @@ def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
         raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs: {shown}")
     if unexpected:
         log.warning("%s: ignored %d unknown tensors, e.g. %s", path, len(unexpected), unexpected[0])
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def load_tokenizer(path):
