@@ -1,0 +1,529 @@
+"""Ray Serve application: an OpenAI-compatible FastAPI ingress in front of one engine deployment.
+
+    serve run deployments/minedraft.yaml          # import_path: minedraft_ray.serve.app:build_app
+    serve.run(build_app({"mode": "psd", "max_batch": 16}))
+
+EngineServer: its replica owns the MineDraft placement group (bundle 0 is the replica itself, the other
+bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager, and streams
+StepOutputs (token ids, logprobs, stats). One replica per application: the placement group already spans
+the GPUs a replica needs.
+
+OpenAIServer (ingress): tokenizes, validates, detokenizes, cuts stop strings and formats the responses.
+Detokenizing here keeps that CPU work off the engine replica, whose event loop drives the step loop.
+Streamed and non-streamed responses run the same code (`_run_choices`), so their texts are equal.
+
+Status codes: 400 bad input or unsupported parameter, 401 missing/wrong API key, 404 unknown model or
+route, 429 queue full (the engine's bounded queue or Serve's), 500 engine failure, 503 /health when the
+engine is dead. A client that disconnects cancels its requests; the engine frees their slots.
+"""
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import EngineConfig
+from ..engine.sampling import SamplingParams
+from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
+from ..runtime.placement import STRATEGY, make_bundles
+from .default_models import resolve_models
+from .detokenize import OutputText, TokenStrings
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
+                       error_body, parse, spec_stats, usage)
+
+log = logging.getLogger("minedraft.serve")
+
+API_KEY_ENV = "MINEDRAFT_API_KEY"
+CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
+ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
+
+
+# ---------------------------------------------------------------- engine deployment
+
+@serve.deployment(name="MineDraftEngine", num_replicas=1, health_check_period_s=10, health_check_timeout_s=60,
+                  graceful_shutdown_timeout_s=30)
+class EngineServer:
+    async def __init__(self, config: dict):
+        self.manager = BatchManager(EngineConfig.model_validate(config))
+        await self.manager.start()
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
+        """StepOutputs of one request. The first item comes at once: an empty StepOutput once the request is
+        queued (so the ingress can answer 200 and start streaming), or the error that refused it."""
+        stream = self.manager.generate(prompt_ids, params, request_id)
+        # generate() checks the queue and registers the request in its first step, before any await:
+        # one pass of the loop runs it, so refusals (overload, dead engine, bad request) raise right here
+        first = asyncio.ensure_future(anext(stream))
+        try:
+            await asyncio.sleep(0)
+            if not first.done():
+                yield StepOutput(request_id, [])
+            out = await first
+            yield out
+            if not out.finished:
+                async for out in stream:
+                    yield out
+        finally:  # cancelled by a disconnect or a stop string: closing the stream aborts the request
+            first.cancel()
+            with suppress(BaseException):
+                await first
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self.manager.abort(request_id)
+
+    async def info(self) -> dict:   # async: runs on the loop that owns the manager
+        return {**self.manager.info(), "workers": self.manager.worker_info}
+
+    async def check_health(self) -> None:
+        if self.manager.dead:
+            raise RuntimeError(f"engine is dead: {self.manager.dead}")
+
+    async def __del__(self):
+        await self.manager.shutdown()
+
+
+# ---------------------------------------------------------------- ingress
+
+api = FastAPI(title="minedraft", description="OpenAI-compatible API over MineDraft speculative decoding")
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("unhandled error")
+    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
+
+
+def engine_error(exc: BaseException) -> APIError | None:
+    """An exception from the engine deployment as the API error it stands for (None: not ours)."""
+    if isinstance(exc, (EngineOverloadedError, BackPressureError)):
+        return APIError(429, "The server is overloaded: the request queue is full. Retry later.",
+                        "rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, f"The engine failed: {exc}", "server_error", code="engine_dead")
+    if isinstance(exc, RayActorError):   # the engine replica itself died (Serve restarts it)
+        return APIError(500, f"The engine replica died: {exc}", "server_error", code="engine_dead")
+    if isinstance(exc, ValueError) and isinstance(exc, RayTaskError):  # the manager's own request checks
+        return APIError(400, str(exc.cause if getattr(exc, "cause", None) else exc))
+    return None
+
+
+@dataclass
+class Event:
+    """What one choice adds to the response: text, logprob entries, and on its last event why it ended."""
+    index: int
+    text: str
+    logprobs: list[dict]
+    first_token: int              # index of logprobs[0] among the choice's output tokens
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+class Choice:
+    """One output sequence: an engine stream plus the text built from it."""
+
+    def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
+                 stop: list[str], request_id: str, tokenizer):
+        self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
+        self.request_id = request_id
+        self.text = OutputText(tokenizer, prompt_ids, stop)
+        self.logprobs: list[dict] = []
+        self.sent_tokens = 0
+        self.finish_reason: str | None = None
+        self.stats: dict | None = None
+        self.stream = None
+        self.done = False
+
+    def submit(self) -> None:
+        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id)
+
+    async def accepted(self) -> None:
+        """The engine's first answer: an empty StepOutput once queued, or the error that refused the request."""
+        self._apply(await self.stream.__anext__())
+
+    def _apply(self, out: StepOutput) -> None:
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        stopped = self.text.add(out.new_token_ids)
+        if out.finished:
+            self.stats, self.done = out.stats, True
+            if not stopped:
+                self.text.finish()
+                self.finish_reason = out.finish_reason
+        if stopped:
+            self.finish_reason = "stop"
+
+    async def events(self):
+        """Yields Events until the choice ends (EOS, max_tokens or a stop string)."""
+        while True:
+            if self.text.finished and not self.done:   # a stop string: the engine is still generating
+                await self._abort()
+            chunk, tokens = self.text.take()
+            if self.text.finished:
+                tokens = self.text.num_tokens
+            event = Event(self.index, chunk, self.logprobs[self.sent_tokens:tokens], self.sent_tokens)
+            self.sent_tokens = tokens
+            if self.text.finished:
+                event.finish_reason, event.stats = self.finish_reason, self.stats
+                yield event
+                return
+            if chunk or event.logprobs:
+                yield event
+            try:
+                out = await self.stream.__anext__()
+            except StopAsyncIteration:
+                raise EngineDeadError("the engine stream ended without a final output") from None
+            self._apply(out)
+
+    async def _abort(self) -> None:
+        """Stop the engine request after a stop string, keeping its stats from the final output."""
+        async def drain():
+            await self.engine.abort.remote(self.request_id)
+            async for out in self.stream:
+                if out.finished:
+                    self.stats, self.done = out.stats, True
+                    return
+        try:
+            await asyncio.wait_for(drain(), ABORT_DRAIN_S)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            self.close()
+        self.done = True
+
+    def close(self) -> None:
+        if self.stream is not None and not self.done:
+            self.stream.cancel()   # the engine replica sees CancelledError and aborts the request
+            self.done = True
+
+    @property
+    def num_tokens(self) -> int:
+        return self.text.num_tokens
+
+
+async def _merge(choices: list[Choice]):
+    """Events of all choices as they come; cancels every engine stream when done or cancelled."""
+    if len(choices) == 1:
+        try:
+            async for event in choices[0].events():
+                yield event
+        finally:
+            choices[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice):
+        try:
+            async for event in choice.events():
+                queue.put_nowait(event)
+        except BaseException as e:  # noqa: BLE001 - relayed to the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for choice in choices:
+            choice.close()
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@serve.deployment(name="OpenAIServer", num_replicas=1)
+@serve.ingress(api)
+class OpenAIServer:
+    def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
+        from ..engine.loader import load_tokenizer
+
+        self.engine = engine
+        self.config = EngineConfig.model_validate(config)
+        self.tokenizer = load_tokenizer(self.config.target)
+        self.strings = TokenStrings(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self.model_name = self.config.served_model_name
+        self.api_key_sha256 = api_key_sha256
+        self.created = int(time.time())
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key_sha256 is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, self.api_key_sha256):
+            raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                           "authentication_error", code="invalid_api_key")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'.",
+                           "not_found_error", param="model", code="model_not_found")
+
+    def _params(self, req, prompt_len: int, max_tokens: int | None, num_logprobs: int | None, param: str,
+                seed: int | None) -> SamplingParams:
+        if prompt_len == 0:
+            raise APIError(400, "The prompt is empty.", param=param)
+        limit = self.config.max_len
+        if prompt_len >= limit:
+            raise APIError(400, f"The prompt has {prompt_len} tokens; the context limit is {limit} tokens "
+                           "(prompt + output).", param=param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise APIError(400, f"max_tokens ({max_tokens}) + the prompt ({prompt_len} tokens) exceeds the context "
+                           f"limit of {limit} tokens.", param="max_tokens", code="context_length_exceeded")
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(req.top_k or 0, 0), max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
+            # the engine is asked for >= 1 top entries so that it returns token logprobs even for top-0
+            logprobs=None if num_logprobs is None else max(num_logprobs, 1))
+        try:
+            params.validate()
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return params
+
+    async def _start(self, prompts: list[list[int]], req, max_tokens: int | None, num_logprobs: int | None,
+                     param: str) -> list[Choice]:
+        """One Choice per (prompt, n): choice i of a prompt gets seed + i. Raises if the engine refuses any."""
+        if len(prompts) * req.n > self.config.max_running:
+            raise APIError(400, f"n x prompts = {len(prompts) * req.n} exceeds the {self.config.max_running} "
+                           "requests this engine runs at once.", param="n")
+        stop = req.stop_strings()
+        base = f"{uuid.uuid4().hex}"
+        choices = []
+        for p, prompt in enumerate(prompts):
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed)
+                index = p * req.n + i
+                choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer))
+        for c in choices:   # all submitted before any await, so a refusal can close every one of them
+            c.submit()
+        try:
+            await asyncio.gather(*(c.accepted() for c in choices))
+        except BaseException as e:
+            for c in choices:
+                c.close()
+            raise engine_error(e) or e
+        return choices
+
+    async def _respond(self, req, choices: list[Choice], prompt_tokens: int, kind: str):
+        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+        head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+        num_top = self._num_top(req)
+        if req.stream:
+            return StreamingResponse(self._stream(req, choices, prompt_tokens, head, num_top),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        texts = {c.index: [] for c in choices}
+        finals: dict[int, Event] = {}
+        try:
+            async for event in _merge(choices):
+                texts[event.index].append(event.text)
+                if event.finish_reason:
+                    finals[event.index] = event
+        except Exception as e:
+            raise engine_error(e) or e
+        out = []
+        for c in choices:
+            text = "".join(texts[c.index])
+            entry = {"index": c.index, "finish_reason": finals[c.index].finish_reason}
+            lps = self._logprobs(c, c.logprobs[:c.num_tokens], 0, num_top, kind)
+            if kind == "text_completion":
+                entry.update(text=text, logprobs=lps)
+            else:
+                entry.update(message={"role": "assistant", "content": text}, logprobs=lps)
+            out.append(entry)
+        completion_tokens = sum(c.num_tokens for c in choices)
+        return {**head, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
+                "minedraft": spec_stats([c.stats for c in choices], self.config.mode, self.config.k)}
+
+    async def _stream(self, req, choices: list[Choice], prompt_tokens: int, head: dict, num_top: int | None):
+        kind = head["object"]
+        head = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
+        by_index = {c.index: c for c in choices}
+        started = set()
+        try:
+            async for ev in _merge(choices):
+                choice = {"index": ev.index}
+                lps = self._logprobs(by_index[ev.index], ev.logprobs, ev.first_token, num_top, kind)
+                if kind == "chat.completion":
+                    delta = {"content": ev.text} if ev.text or ev.index not in started else {}
+                    if ev.index not in started:
+                        delta["role"] = "assistant"
+                        started.add(ev.index)
+                    choice.update(delta=delta, logprobs=lps)
+                else:
+                    choice.update(text=ev.text, logprobs=lps)
+                choice["finish_reason"] = ev.finish_reason
+                chunk = {**head, "choices": [choice]}
+                if ev.finish_reason:
+                    chunk["minedraft"] = spec_stats([ev.stats], self.config.mode, self.config.k)
+                yield _sse(chunk)
+            if req.stream_options is not None and req.stream_options.include_usage:
+                completion_tokens = sum(c.num_tokens for c in choices)
+                yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        except Exception as e:  # the headers are sent: the error goes into the stream
+            err = engine_error(e) or APIError(500, f"internal error: {e!r}", "server_error")
+            log.warning("stream %s failed: %s", head["id"], err.message)
+            yield _sse(err.body())
+        yield _sse("[DONE]")
+
+    def _num_top(self, req) -> int | None:
+        return req.logprobs if isinstance(req, CompletionRequest) else req.num_logprobs()
+
+    def _logprobs(self, choice: Choice, entries: list[dict], first: int, num_top: int | None, kind: str):
+        if num_top is None:
+            return None
+        if kind == "text_completion":
+            ends = choice.text.token_ends
+            offsets = [ends[i - 1] if i > 0 else 0 for i in range(first, first + len(entries))]
+            return completion_logprobs(entries, offsets, num_top, self.strings)
+        return chat_logprobs(entries, num_top, self.strings)
+
+    # ---- endpoints -----------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self):
+        try:
+            info = await asyncio.wait_for(self.engine.info.remote(), 30)
+        except Exception as e:
+            return JSONResponse(error_body(f"engine unreachable: {e!r}", "server_error"), status_code=503)
+        if info.get("dead"):
+            return JSONResponse(error_body(f"engine is dead: {info['dead']}", "server_error"), status_code=503)
+        return {"status": "ok", "model": self.model_name, "drafter_alive": info.get("drafter_alive")}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "minedraft", "root": self.config.target,
+                                            "max_model_len": self.config.max_len}]}
+
+    @api.get("/v1/minedraft/info")
+    async def info(self, request: Request):
+        self._authorize(request)
+        return await self.engine.info.remote()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._authorize(request)
+        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        req.check()
+        self._check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        choices = await self._start(prompts, req, req.max_tokens, req.logprobs, "prompt")
+        return await self._respond(req, choices, sum(map(len, prompts)), "text_completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+        req.check()
+        self._check_model(req.model)
+        prompt = self._chat_prompt(req)
+        choices = await self._start([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages")
+        return await self._respond(req, choices, len(prompt), "chat.completion")
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif not prompt:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        else:
+            prompts = prompt
+        if isinstance(prompts[0], int):
+            prompts = [prompts]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for p in ids:
+            if any(not 0 <= t < self.vocab_size for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+        return ids
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"The model '{self.model_name}' has no chat template; use /v1/completions.",
+                           param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # templates raise on e.g. roles out of order
+            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- application
+
+def load_config(args: dict | None) -> EngineConfig:
+    """`applications[].args` of a Serve config (or CLI flags) over MINEDRAFT_* variables; clear errors."""
+    try:
+        return EngineConfig.from_env(dict(args or {}))
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'args'}: {err['msg']}"
+                             for err in e.errors(include_url=False))
+        raise ValueError(f"invalid minedraft settings (args or MINEDRAFT_* variables): {problems}") from None
+
+
+def serve_limits(config: EngineConfig) -> dict:
+    """Serve's per-replica limits. The engine holds max_running requests plus a bounded queue of max_queued;
+    Serve must let all of them through (its default of 5 would throttle the engine). Serve's own queue only
+    absorbs bursts (its router assigns requests one at a time) and is bounded too; the engine's queue is the
+    one that answers 429 when full."""
+    ongoing = config.max_running + config.max_queued + CONTROL_HEADROOM
+    return {"max_ongoing_requests": ongoing, "max_queued_requests": ongoing}
+
+
+def build_app(args: dict | None = None, api_key: str | None = None):
+    """Serve application builder (`import_path: minedraft_ray.serve.app:build_app`).
+
+    args: EngineConfig fields. The API key comes from MINEDRAFT_API_KEY (or `api_key`); only its SHA-256
+    travels to the ingress replica."""
+    config = resolve_models(load_config(args))
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    bundles = make_bundles(config.mode)
+    engine = EngineServer.options(
+        placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
+        ray_actor_options={"num_cpus": bundles[0].get("CPU", 0)}, **serve_limits(config),
+    ).bind(config.model_dump())
+    key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
+    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1}, **serve_limits(config)).bind(
+        engine, config.model_dump(), key_hash)
