@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MODES = ("ar", "sd", "sd_split", "psd")
 Mode = Literal["ar", "sd", "sd_split", "psd"]
@@ -42,6 +42,11 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
+
+    @field_validator("target", "draft", mode="before")
+    @classmethod
+    def _path_to_str(cls, value):
+        return str(value) if isinstance(value, os.PathLike) else value
 
     @model_validator(mode="after")
     def _check(self):

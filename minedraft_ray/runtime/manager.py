@@ -162,11 +162,16 @@ class BatchManager:
             raise ValueError(f"request id {request_id!r} is already in use")
         return Request(prompt_ids, params, self.eos_token_ids, request_id)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None):
-        """Async iterator of StepOutput for one request; closing it early aborts the request."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       bounded: bool = True):
+        """Async iterator of StepOutput for one request; closing it early aborts the request.
+
+        bounded: refuse the request (EngineOverloadedError) when the queue is full; offline batch
+        generation passes False, since it submits its whole workload at once by design."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        if len(self.waiting) >= self.config.max_queued + max(self.config.max_running - self._num_running(), 0):
+        capacity = self.config.max_queued + max(self.config.max_running - self._num_running(), 0)
+        if bounded and len(self.waiting) >= capacity:
             raise EngineOverloadedError(f"the engine queue is full ({len(self.waiting)} waiting)")
         r = self.make_request(prompt_ids, params, request_id)
         r.queue = asyncio.Queue()
