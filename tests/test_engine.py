@@ -166,3 +166,17 @@ def test_sampled_sd_follows_target_distribution(tiny_llama, tiny_llama_draft, pa
     keys = sorted(exact)
     pvalue = chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys])
     assert pvalue > 1e-3, pvalue
+
+
+def test_random_presets_load_like_checkpoints(tmp_path, monkeypatch):
+    """`random:<preset>` folders (benchmarks, GPU smoke runs) go through the normal loading path."""
+    from minedraft_ray.engine.presets import resolve_model
+    monkeypatch.setenv("MINEDRAFT_CACHE", str(tmp_path))
+    folder = resolve_model("random:tiny")
+    assert (tmp_path / "random-tiny" / "config.json").is_file()
+    out = Engine("random:tiny", "random:tiny", mode="sd", k=3, device="cpu").generate(
+        "hello there", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))[0]
+    assert len(out.token_ids) == 9 and out.stats["acceptance_rate"] == 1.0   # identical random draft
+    assert resolve_model(folder) == folder
+    with pytest.raises(ValueError, match="unknown random preset"):
+        resolve_model("random:gpt-5")

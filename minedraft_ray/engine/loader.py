@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .model import ModelConfig, Transformer, rope_cos_sin
+from .presets import init_random_, is_random
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def _weight_slices(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int
 def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
-    files = _checkpoint_files(path)
+    random_weights = is_random(path)   # a `random:<preset>` folder (benchmarks): no safetensors to read
+    files = [] if random_weights else _checkpoint_files(path)
     if dtype is not None:
         cfg = dataclasses.replace(cfg, dtype=dtype)
     device = torch.device(device)
@@ -97,6 +99,9 @@ def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
         model = Transformer(cfg)
     model.to_empty(device=device)
     model.rope_cache = rope_cos_sin(cfg, device)
+    if random_weights:
+        init_random_(model)
+        return model.requires_grad_(False).eval()
 
     slices = _weight_slices(model)
     loaded, unexpected = set(), []
