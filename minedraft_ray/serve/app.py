@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig
+from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
 from ..runtime.placement import STRATEGY, make_bundles
@@ -275,7 +276,7 @@ class OpenAIServer:
 
         self.engine = engine
         self.config = EngineConfig.model_validate(config)
-        self.tokenizer = load_tokenizer(self.config.target)
+        self.tokenizer = load_tokenizer(resolve_model(self.config.target))
         self.strings = TokenStrings(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.model_name = self.config.served_model_name
@@ -494,9 +495,13 @@ class OpenAIServer:
 # ---------------------------------------------------------------- application
 
 def load_config(args: dict | None) -> EngineConfig:
-    """`applications[].args` of a Serve config (or CLI flags) over MINEDRAFT_* variables; clear errors."""
+    """`applications[].args` of a Serve config (or CLI flags) over MINEDRAFT_* variables, with clear errors.
+    An explicit null unsets an optional field (e.g. draft: null for mode ar)."""
+    args = dict(args or {})
+    nulls = {name: None for name, value in args.items() if value is None}
     try:
-        return EngineConfig.from_env(dict(args or {}))
+        config = EngineConfig.from_env(args)
+        return EngineConfig.model_validate({**config.model_dump(), **nulls}) if nulls else config
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'args'}: {err['msg']}"
                              for err in e.errors(include_url=False))
@@ -512,13 +517,18 @@ def serve_limits(config: EngineConfig) -> dict:
     return {"max_ongoing_requests": ongoing, "max_queued_requests": ongoing}
 
 
-def build_app(args: dict | None = None, api_key: str | None = None):
+def build_app(args: dict | None = None):
     """Serve application builder (`import_path: minedraft_ray.serve.app:build_app`).
 
-    args: EngineConfig fields. The API key comes from MINEDRAFT_API_KEY (or `api_key`); only its SHA-256
-    travels to the ingress replica."""
+    args: EngineConfig fields. The API key comes from MINEDRAFT_API_KEY where the builder runs; only its
+    SHA-256 travels to the ingress replica."""
+    return build_app_with_key(args, os.environ.get(API_KEY_ENV) or None)
+
+
+def build_app_with_key(args: dict | None, api_key: str | None):
     config = resolve_models(load_config(args))
-    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    for model in (config.target, config.draft):   # materialise random:<preset> folders before the replicas race
+        resolve_model(model)
     bundles = make_bundles(config.mode)
     engine = EngineServer.options(
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,

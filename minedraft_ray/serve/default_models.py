@@ -2,7 +2,8 @@
 
 Defaults are the embedded pair under minedraft_ray/assets/. While that folder is absent, the tiny random
 test pair (`minedraft_ray.testing.tiny`) is built once into a cache folder and used instead, so that
-`minedraft serve` and `serve run deployments/minedraft.yaml` work out of the box.
+`minedraft serve` and `serve run deployments/minedraft.yaml` work out of the box. The cache folder is
+$MINEDRAFT_CACHE (default ~/.cache/minedraft), as for the random-weight presets.
 """
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ import shutil
 from pathlib import Path
 
 from ..config import EngineConfig, default_draft, default_target
+from ..engine.presets import cache_root
 
 TINY_NAME = "minedraft-tiny"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minedraft"
 
 
 def tiny_pair(root: Path | None = None) -> tuple[Path, Path]:
     """(target, draft) folders of the tiny pair, built on first use. Concurrent callers are safe: each builds
     in its own folder and the first rename wins."""
-    root = Path(root) if root is not None else cache_dir()
+    root = Path(root) if root is not None else cache_root()
     pair = root / "tiny-pair"
     if not (pair / "draft" / "config.json").is_file():
         from ..testing.tiny import make_noised_draft, make_tiny_model

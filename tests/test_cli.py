@@ -1,0 +1,208 @@
+"""The `minedraft` CLI and the Serve config file: flags <-> EngineConfig, and real end-to-end runs, each
+against its own private Ray instance started by the command under test (killed by its process group)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from minedraft_ray.cli import build_parser, engine_overrides, main
+from minedraft_ray.config import EngineConfig
+from minedraft_ray.serve.app import load_config, serve_limits
+from minedraft_ray.serve.default_models import TINY_NAME, resolve_models
+
+REPO = Path(__file__).resolve().parent.parent
+MINEDRAFT = str(Path(sys.executable).parent / "minedraft")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- flags and settings
+
+def test_help_explains_every_command_and_field(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    top = capsys.readouterr().out
+    assert all(cmd in top for cmd in ("serve", "generate", "bench", "MINEDRAFT_API_KEY"))
+    for command in ("serve", "generate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        for name in EngineConfig.model_fields:
+            assert "--" + name.replace("_", "-") in text, (command, name)
+
+
+def test_flags_map_one_to_one_onto_engine_config(monkeypatch):
+    monkeypatch.setenv("MINEDRAFT_MAX_QUEUED", "7")
+    monkeypatch.setenv("MINEDRAFT_K", "5")
+    ns = build_parser().parse_args(["serve", "--mode", "ar", "--draft", "none", "--k", "2", "--max-batch", "3",
+                                    "--no-cuda-graphs", "--step-timeout-s", "5.5", "--device", "cpu"])
+    overrides = engine_overrides(ns)
+    assert overrides == {"draft": None, "mode": "ar", "k": "2", "max_batch": "3", "device": "cpu",
+                         "cuda_graphs": False, "step_timeout_s": "5.5"}
+    config = load_config(overrides)
+    assert (config.mode, config.draft, config.k, config.max_batch, config.cuda_graphs, config.step_timeout_s,
+            config.max_queued) == ("ar", None, 2, 3, False, 5.5, 7)   # flags win over MINEDRAFT_*, env fills in
+
+
+def test_bad_settings_fail_clearly(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--k", "99"])
+    assert e.value.code == 2 and "k: Input should be less than or equal to 8" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="mdoe"):
+        load_config({"mdoe": "psd"})     # a Serve YAML typo
+    with pytest.raises(ValueError, match="needs a draft model"):
+        load_config({"mode": "psd", "draft": None})
+
+
+def test_serve_limits_follow_the_engine():
+    config = EngineConfig(max_batch=16, max_queued=100, mode="psd")
+    limits = serve_limits(config)
+    assert limits["max_ongoing_requests"] >= 2 * 16 + 100 and limits["max_queued_requests"] > 0
+
+
+def test_default_models_fall_back_to_the_tiny_pair(tmp_path):
+    config = resolve_models(EngineConfig(), root=tmp_path)
+    assert Path(config.target, "config.json").is_file() and Path(config.draft, "config.json").is_file()
+    assert config.served_model_name == TINY_NAME
+    stamp = Path(config.target, "config.json").stat().st_mtime_ns
+    assert resolve_models(EngineConfig(), root=tmp_path) == config                # built once
+    assert Path(config.target, "config.json").stat().st_mtime_ns == stamp
+    explicit = EngineConfig(target=str(tmp_path / "mine"), draft=None, mode="ar")
+    assert resolve_models(explicit, root=tmp_path) is explicit                    # only the default is swapped
+
+
+def test_bench_runs_the_bench_module(capsys):
+    assert main(["bench"]) == 0
+    assert "psd_vs_sd" in capsys.readouterr().out
+    out = subprocess.run([MINEDRAFT, "bench", "plot", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+# ---------------------------------------------------------------- real runs (own Ray, own process group)
+
+@pytest.fixture(scope="module")
+def run_env(tmp_path_factory):
+    """Environment for commands that start their own Ray: short private temp dir, own model cache."""
+    ray_tmp = tempfile.mkdtemp(prefix="mdcli-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "MINEDRAFT_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONUNBUFFERED": "1"}
+    for name in list(env):
+        if name.startswith("MINEDRAFT_") and name not in ("MINEDRAFT_CACHE",) or name == "RAY_ADDRESS":
+            env.pop(name)
+    yield env
+    subprocess.run(["rm", "-rf", ray_tmp])
+
+
+class Command:
+    """A command in its own session, so that it and the Ray processes it starts can be ended as a group."""
+
+    def __init__(self, args, env, log: Path):
+        self.log = log
+        self.proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            out = self.output()
+            if text in out:
+                return out
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{text!r} did not appear; output:\n{self.output()[-4000:]}")
+
+    def interrupt(self, timeout: float = 90) -> int:
+        """Ctrl-C, then the whole process group if it does not exit in time."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"no clean exit after Ctrl-C; output:\n{self.output()[-4000:]}") from None
+        finally:
+            with_leftovers = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True)
+            if with_leftovers.stdout.strip():
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wait_ready(url: str, cmd: Command, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if "failed with exception" in cmd.output() or cmd.proc.poll() is not None:
+            break
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} did not become healthy; output:\n{cmd.output()[-4000:]}")
+
+
+def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
+    port, dashboard_port = free_port(), free_port()
+    cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--dashboard-port", str(dashboard_port)], run_env,
+                  tmp_path / "serve.log")
+    try:
+        out = cmd.wait_for("Ctrl-C to stop", timeout=240)
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/v1" in out and f"http://127.0.0.1:{dashboard_port}" in out
+        assert requests.get(f"http://127.0.0.1:{dashboard_port}/api/version", timeout=30).status_code == 200
+        models = requests.get(url + "/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == [TINY_NAME]
+        r = requests.post(url + "/v1/completions", timeout=120,
+                          json={"model": TINY_NAME, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        code = cmd.interrupt()
+    assert code == 0 and "shutting down" in cmd.output()
+
+
+def test_serve_run_of_the_yaml(run_env, tmp_path):
+    config = yaml.safe_load((REPO / "deployments" / "minedraft.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    port = free_port()
+    config["http_options"]["port"] = port          # the file as shipped, on a free port
+    path = tmp_path / "minedraft.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve_cli = str(Path(sys.executable).parent / "serve")
+    cmd = Command([serve_cli, "run", str(path)], {**run_env, "RAY_ADDRESS": "local"}, tmp_path / "run.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, cmd, timeout=300)
+        r = requests.post(url + "/v1/chat/completions", timeout=120,   # no MINEDRAFT_API_KEY: open
+                          json={"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] <= 6 and body["minedraft"]["mode"] == "psd"
+    finally:
+        cmd.interrupt()
+
+
+def test_minedraft_generate(run_env, tmp_path, tiny_llama, tiny_llama_draft):
+    args = [MINEDRAFT, "generate", "The quick brown fox", "def fibonacci(n):", "--max-tokens", "8", "--ignore-eos",
+            "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--max-batch", "2",
+            "--num-cpus", "2", "--num-gpus", "2", "--torch-threads", "1"]
+    out = subprocess.run(args, env=run_env, capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("--- 8 tokens, finish_reason=length, acceptance_rate=") == 2
+    assert "=== 1: 'def fibonacci(n):'" in out.stdout
