@@ -1,6 +1,5 @@
 """The `minedraft` CLI and the Serve config file: flags <-> EngineConfig, and real end-to-end runs, each
 against its own private Ray instance started by the command under test (killed by its process group)."""
-import json
 import os
 import signal
 import socket

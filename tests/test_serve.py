@@ -43,10 +43,11 @@ def server(ray_cluster, app_args, monkeypatch_module):
     from minedraft_ray.serve.app import build_app
 
     monkeypatch_module.setenv("MINEDRAFT_API_KEY", KEY)   # read by build_app; only its hash reaches the ingress
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    # Serve keeps the HTTP options of whoever started it first in this session: ask it for the port
+    http = serve.context._get_global_client().http_config
     serve.run(build_app(app_args), name="minedraft", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://{http.host}:{http.port}"
     serve.delete("minedraft")
 
 
