@@ -27,6 +27,7 @@ from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
+from ..observability.metrics import EngineMetrics, request_status
 from .placement import actor_options, create_placement_group
 from .transport import make_channel
 
@@ -106,6 +107,7 @@ class BatchManager:
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
+        self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
         self.channel = make_channel(config.transport)
         self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes()
 
@@ -146,6 +148,7 @@ class BatchManager:
         for r in list(self.requests.values()):
             self._finish(r, "abort", error="engine shut down")
         await self.channel.disconnect()
+        self.metrics.close()
         for actor in (self.verifier, self.drafter):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
@@ -211,10 +214,15 @@ class BatchManager:
             r.slot = None
         self.requests.pop(r.id, None)
         self.counters["aborted" if r.finish_reason == "abort" else "finished"] += 1
-        r.queue.put_nowait(StepOutput(r.id, [], None, True, r.finish_reason, r.stats.as_dict(), error))
+        stats = r.stats.as_dict()
+        self.metrics.on_request_finished(stats, request_status(r.finish_reason, error), len(r.prompt_ids),
+                                             len(r.output_ids))
+        r.queue.put_nowait(StepOutput(r.id, [], None, True, r.finish_reason, stats, error))
 
     def _emit(self, requests: list[Request], kept: list[list[int]]) -> None:
+        emitted = 0
         for r, toks in zip(requests, kept):
+            emitted += len(toks)
             lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs and toks else None
             if r.finished:
                 if r.slot is not None:
@@ -222,9 +230,12 @@ class BatchManager:
                     r.slot = None
                 self.requests.pop(r.id, None)
                 self.counters["finished"] += 1
-                r.queue.put_nowait(StepOutput(r.id, toks, lp, True, r.finish_reason, r.stats.as_dict()))
+                stats = r.stats.as_dict()
+                self.metrics.on_request_finished(stats, "finished", len(r.prompt_ids), len(r.output_ids))
+                r.queue.put_nowait(StepOutput(r.id, toks, lp, True, r.finish_reason, stats))
             elif toks:
                 r.queue.put_nowait(StepOutput(r.id, toks, lp))
+        self.metrics.on_tokens(emitted)
 
     def _num_running(self) -> int:
         return len(self.batches[0]) + len(self.batches[1])
