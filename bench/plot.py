@@ -1,0 +1,108 @@
+"""Plots of bench results, drawn from their Parquet files (matplotlib; the GPU machine has none, so plots
+are made here from the files that come back).
+
+    python -m bench.plot bench/results/psd_vs_sd.parquet [--out bench/results/psd_vs_sd.png]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+COLORS = {"psd": "C0", "sd": "C1", "sd_split": "C2", "ar": "C3", "sd_dp2": "C4", "ar_dp2": "C5"}
+
+
+def read_rows(path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for r in pq.read_table(path).to_pylist() if r.get("status", "ok") == "ok"]
+
+
+def plot_psd_vs_sd(parquet, png) -> Path:
+    """Four panels: closed tokens/s per GPU against k; draft and verify time against k (psd);
+    verifier_busy against k (psd); online P99 latency and TTFT against the arrival rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    closed = [r for r in rows if r["workload"] == "closed" and r.get("acceptance") != "real"]
+    groups = sorted({(r["m"], r["alpha_group"]) for r in closed if r["mode"] == "psd"}, key=lambda g: (-g[0], -g[1]))
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    tput, times, busy, online = ax[0, 0], ax[0, 1], ax[1, 0], ax[1, 1]
+
+    for style, (m, a) in zip(styles, groups):
+        def curve(mode):
+            pts = sorted((r for r in closed if r["mode"] == mode and r["m"] == m and r["batch"] == m and r["part"] == 1
+                          and r["alpha_group"] == a and r["replicas"] == 1), key=lambda r: r["k"])
+            return [r["k"] for r in pts], pts
+
+        for mode in ("psd", "sd"):
+            ks, rs = curve(mode)
+            if ks:
+                tput.plot(ks, [r["tokens_per_s_per_gpu"] for r in rs], style, marker="o", color=COLORS[mode],
+                          label=f"{mode} m={m} α={a}")
+        ks, rs = curve("psd")
+        if ks:
+            times.plot(ks, [r["t_draft_ms"] for r in rs], style, marker="o", color="C0", label=f"draft m={m} α={a}")
+            times.plot(ks, [r["t_verify_ms"] for r in rs], style, marker="s", color="C3", label=f"verify m={m} α={a}")
+            times.plot(ks, [r["step_ms"] for r in rs], style, marker="^", color="0.4", label=f"step m={m} α={a}")
+            busy.plot(ks, [r["verifier_busy"] for r in rs], style, marker="o", color="C0", label=f"m={m} α={a}")
+    for m in sorted({g[0] for g in groups}, reverse=True):
+        ar = [r for r in closed if r["mode"] == "ar" and r["m"] == m and r["replicas"] == 1]
+        if ar:
+            best = max(ar, key=lambda r: r["tokens_per_s_per_gpu"])
+            tput.axhline(best["tokens_per_s_per_gpu"], color=COLORS["ar"], lw=0.8,
+                         ls=styles[[g[0] for g in groups].index(m) % len(styles)],
+                         label=f"ar m={m} (b={best['batch']})")
+    tput.set(xlabel="k (draft tokens per verify step)", ylabel="output tokens/s per GPU",
+             title="Closed workload: throughput per GPU (psd: 2 GPUs, sd: 1)")
+    times.set(xlabel="k", ylabel="ms", title="psd: device time per draft phase / verify step, step wall time")
+    busy.axhline(0.9, color="0.5", lw=0.8, ls="--")
+    busy.set(xlabel="k", ylabel="verify time / step wall time", title="psd: verifier busy (steady state)",
+             ylim=(0, 1.05))
+
+    on = [r for r in rows if r["workload"] == "online"]
+    online_m = sorted({r["m"] for r in on})
+    for mode in sorted({r["mode"] for r in on}):
+        pts = sorted((r for r in on if r["mode"] == mode), key=lambda r: r["rate_rps"])
+        rates = [r["rate_rps"] for r in pts]
+        online.plot(rates, [r["lat_p99_s"] for r in pts], "-", marker="o", color=COLORS.get(mode),
+                    label=f"{mode} P99 latency")
+        online.plot(rates, [r["ttft_p99_s"] for r in pts], "--", marker="x", color=COLORS.get(mode),
+                    label=f"{mode} P99 TTFT")
+    online.set(xlabel="arrival rate (requests/s)", ylabel="s", title=f"Online (Poisson), m={'/'.join(map(str, online_m))}: P99 latency and TTFT")
+    online.set_yscale("log")
+    for a in ax.flat:
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    first = rows[0] if rows else {}
+    fig.suptitle(f"PSD vs SD — {first.get('device', '')}, git {first.get('git_sha', '')}", fontsize=10)
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+PLOTS = {"psd_vs_sd": plot_psd_vs_sd}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("parquet")
+    p.add_argument("--out", default=None, help="PNG path (default: next to the Parquet file)")
+    args = p.parse_args(argv)
+    path = Path(args.parquet)
+    kind = path.stem
+    if kind not in PLOTS:
+        p.error(f"no plot for {kind!r}; known: {', '.join(PLOTS)}")
+    print(PLOTS[kind](path, args.out or path.with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

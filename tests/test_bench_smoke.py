@@ -1,0 +1,80 @@
+"""bench/psd_vs_sd.py --smoke end to end on the CPU (tiny models, a private Ray cluster with 2 fake GPUs):
+both parts run, the Parquet has every column, the markdown states the targets, the plot is drawn, and
+request i gets the same synthetic acceptance draws in every mode that drafts for it from its first step."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pq = pytest.importorskip("pyarrow.parquet")
+
+from bench.psd_vs_sd import COLUMNS, EXTRA_COLUMNS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("psd_vs_sd")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "bench.psd_vs_sd", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, pq.read_table(out / "psd_vs_sd.parquet").to_pylist()
+
+
+def find(rows, **where):
+    return [r for r in rows if all(r[k] == v for k, v in where.items())]
+
+
+def test_files_and_columns(smoke):
+    out, rows = smoke
+    assert list(pq.read_schema(out / "psd_vs_sd.parquet").names) == COLUMNS + EXTRA_COLUMNS
+    assert (out / "psd_vs_sd.png").stat().st_size > 10_000
+    md = (out / "psd_vs_sd.md").read_text()
+    for heading in ("## Commands", "## Targets", "## Where psd loses", "## Online (Poisson arrivals)",
+                    "## Real acceptance"):
+        assert heading in md
+    assert "python -m bench.psd_vs_sd --smoke" in md
+    assert all(r["status"] == "ok" for r in rows), [r["note"] for r in rows if r["status"] != "ok"]
+
+
+def test_closed_rows(smoke):
+    _, rows = smoke
+    for mode, gpus in (("psd", 2), ("sd", 1), ("ar", 1)):
+        row = find(rows, part=1, mode=mode, workload="closed")[0]
+        assert row["n_gpus"] == gpus and row["n_requests"] == row["completed"] == 8
+        assert row["tokens_per_s"] > 0 and row["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s"] / gpus)
+        assert 0 < row["verifier_busy"] <= 1 and row["steady_steps"] > 0
+        assert row["lat_p50_s"] <= row["lat_p99_s"] and row["ttft_p99_s"] <= row["lat_p99_s"]
+    psd = find(rows, part=1, mode="psd", workload="closed")[0]
+    assert psd["in_flight"] == 2 * psd["batch"] and psd["t_draft_ms"] > 0 and psd["t_verify_ms"] > 0
+    # the psd step takes at least its slower half: the overhead is step - max(draft, verify)
+    assert psd["step_ms"] >= max(psd["t_draft_ms"], psd["t_verify_ms"]) * 0.5
+    assert find(rows, mode="ar")[0]["alpha"] is None
+
+
+def test_synthetic_acceptance_is_shared_across_modes(smoke):
+    _, rows = smoke
+    sd = find(rows, part=1, mode="sd", workload="closed")[0]
+    dp = find(rows, part=2, mode="sd_dp2", workload="closed")[0]
+    assert sd["acceptance"] == "synthetic" and sd["alpha"] == 0.8
+    # greedy drafts of the noised tiny pair at temperature 1 are accepted far less often than 0.8
+    assert 0.5 < sd["acceptance_rate"] < 1
+    # same requests (seed i), split over two replicas: the very same draws
+    assert dp["acceptance_rate"] == sd["acceptance_rate"]
+
+
+def test_online_and_real(smoke):
+    _, rows = smoke
+    for mode in ("psd", "sd_dp2"):
+        online = sorted(find(rows, mode=mode, workload="online"), key=lambda r: r["load"])
+        assert [r["load"] for r in online] == [0.3, 0.6, 0.9]
+        rates = [r["rate_rps"] for r in online]
+        assert rates[0] < rates[1] < rates[2]
+        assert all(r["completed"] == r["n_requests"] > 0 and r["ttft_p99_s"] < r["lat_p99_s"] for r in online)
+    real = find(rows, acceptance="real")[0]
+    assert real["alpha"] == real["acceptance_rate"] and 0 < real["alpha"] <= 1
+    assert real["temperature"] == 0.0
