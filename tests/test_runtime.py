@@ -203,3 +203,19 @@ def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_d
     assert set(counts) <= set(exact)
     keys = sorted(exact)
     assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
+
+
+def test_default_pair_loads_and_psd_equals_ar(ray_cluster):
+    """The embedded default pair (trained by the project, shipped in the package) loads through the
+    normal checkpoint path with no flags, and its greedy output is identical in ar and psd."""
+    from minedraft_ray.config import EngineConfig
+    config = EngineConfig(max_batch=2, torch_threads=1)
+    prompts = ["def fibonacci(n):", "import numpy as np\n\n", "class Config:\n    \"\"\"", "for i in range("]
+    ref = Engine(config.target, mode="ar", device="cpu").generate(prompts, greedy(32))
+    llm = LLM(config=config)
+    try:
+        outs = llm.generate(prompts, greedy(32))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+        assert sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs) > 0.3
+    finally:
+        llm.shutdown()

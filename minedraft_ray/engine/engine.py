@@ -71,7 +71,7 @@ class Engine:
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, mode: str = "sd", k: int = 4,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, max_batch: int = 8,
-                 max_len: int = 2048, num_slots: int | None = None, draft_temperature: float = 0.0,
+                 max_len: int | None = None, num_slots: int | None = None, draft_temperature: float = 0.0,
                  cuda_graphs: bool = True, memory_fraction: float = 0.85):
         if mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {ENGINE_MODES}, got {mode!r}")
@@ -87,6 +87,11 @@ class Engine:
         self.tokenizer = load_tokenizer(target)
         vocab_limit = check_pair(target, draft).shared_vocab if mode == "sd" else None
         target_model = load_model(target, self.device, dtype)
+        if max_len is None:  # the model's own context, bounded so slots stay affordable
+            max_len = self.max_len = min(target_model.cfg.max_position_embeddings, 4096)
+        if max_len > target_model.cfg.max_position_embeddings:
+            raise ValueError(f"max_len ({max_len}) exceeds the target's context "
+                             f"({target_model.cfg.max_position_embeddings} positions)")
         draft_model = load_model(draft, self.device, dtype) if mode == "sd" else None
         self.eos_token_ids = tuple(target_model.cfg.eos_token_ids)
         num_slots = self._fit_slots(num_slots, [m for m in (target_model, draft_model) if m is not None],

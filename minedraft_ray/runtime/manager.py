@@ -83,7 +83,14 @@ class BatchManager:
         self.mode, self.k = config.mode, config.k
         target_dir = resolve_model(config.target)
         self.tokenizer = load_tokenizer(target_dir)
-        self.eos_token_ids = tuple(ModelConfig.from_pretrained(target_dir).eos_token_ids)
+        model_cfg = ModelConfig.from_pretrained(target_dir)
+        self.eos_token_ids = tuple(model_cfg.eos_token_ids)
+        if config.max_len > model_cfg.max_position_embeddings:
+            # the model's own context limit wins over the (generic) default
+            log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
+                        model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+            config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
+            self.config = config
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
         if self.num_slots < config.max_running:
