@@ -219,3 +219,18 @@ def test_default_pair_loads_and_psd_equals_ar(ray_cluster):
         assert sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs) > 0.3
     finally:
         llm.shutdown()
+
+
+def test_reconfigure_k_in_place(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=1, max_batch=2, torch_threads=1)
+    try:
+        pid = llm.worker_info["verifier"]["pid"]
+        for k in (1, 4):
+            llm.reconfigure(k=k)
+            outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:4]]
+            assert max(max(o.stats["drafted_per_position"], default=0) and len(o.stats["drafted_per_position"])
+                       for o in outs) == k
+        assert ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.worker_info))["verifier"]["pid"] == pid
+    finally:
+        llm.shutdown()

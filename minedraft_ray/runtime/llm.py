@@ -61,6 +61,9 @@ class ManagerActor:
     async def abort(self, request_id: str) -> None:
         await self.manager.abort(request_id)
 
+    async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
+        await self.manager.reconfigure(k, bench)
+
     def info(self) -> dict:
         return self.manager.info()
 
@@ -129,6 +132,12 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         ray.get(self.manager.abort.remote(request_id))
+
+    def reconfigure(self, k: int | None = None, _bench: dict | None = None) -> None:
+        """Benchmarks: new k / synthetic acceptance on an idle engine, same actors and graphs."""
+        ray.get(self.manager.reconfigure.remote(k, _bench))
+        if k is not None:
+            self.config = self.config.model_copy(update={"k": k})
 
     def info(self) -> dict:
         return ray.get(self.manager.info.remote())

@@ -62,6 +62,7 @@ class StepRecord:
     drafted: int
     t_draft_ms: float = 0.0
     t_verify_ms: float = 0.0
+    t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
     step_ms: float = 0.0
     emitted: int = 0
     accepted: int = 0
@@ -244,6 +245,20 @@ class BatchManager:
                 r.queue.put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
+    async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
+        """Benchmarks: change k (and benchmark-only worker options) between workloads, keeping the
+        actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
+        if self.waiting or self._num_running():
+            raise RuntimeError("reconfigure needs an idle engine")
+        if k is not None:
+            self.config = self.config.model_copy(update={"k": k})
+            EngineConfig.model_validate(self.config.model_dump())
+            self.k = k
+        if bench is not None:
+            self.bench = bench
+            await self._get(self.verifier.set_bench.remote(bench), "reconfigure")
+        self.pending = [None, None]
+
     def _num_running(self) -> int:
         return len(self.batches[0]) + len(self.batches[1])
 
@@ -348,7 +363,7 @@ class BatchManager:
 
         # --- wait: prefill first (it runs first on the verifier), then the step's two halves
         if prefill_ref is not None:
-            tokens, logprobs, _ = await self._verifier_result(prefill_ref, "prefill")
+            tokens, logprobs, record.t_prefill_ms = await self._verifier_result(prefill_ref, "prefill")
             self._emit(new, commit_tokens(new, tokens, logprobs, [0] * len(new)))
         if draft_refs is not None:
             try:

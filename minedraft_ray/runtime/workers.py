@@ -105,6 +105,11 @@ class VerifierWorker(_Worker):
         super().__init__(config, num_slots, bench)
         self.verifier = Verifier(self._runner(self.target_dir), self.bench.get("synthetic_acceptance"))
 
+    def set_bench(self, bench: dict) -> None:
+        """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
+        self.bench = bench or {}
+        self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
+
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
         with StepTimer(self.device) as timer:
             result = self.verifier.prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
