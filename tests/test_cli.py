@@ -73,15 +73,28 @@ def test_serve_limits_follow_the_engine():
     assert limits["max_ongoing_requests"] >= 2 * 16 + 100 and limits["max_queued_requests"] > 0
 
 
-def test_default_models_fall_back_to_the_tiny_pair(tmp_path):
-    config = resolve_models(EngineConfig(), root=tmp_path)
+def test_default_models_fall_back_to_the_tiny_pair(tmp_path, monkeypatch):
+    from minedraft_ray.serve import default_models
+
+    # the embedded pair as if it were not installed
+    missing = {"target": str(tmp_path / "assets" / "default-target"), "draft": str(tmp_path / "assets" / "default-draft")}
+    monkeypatch.setattr(default_models, "default_target", lambda: missing["target"])
+    monkeypatch.setattr(default_models, "default_draft", lambda: missing["draft"])
+    config = resolve_models(EngineConfig(**missing), root=tmp_path)
     assert Path(config.target, "config.json").is_file() and Path(config.draft, "config.json").is_file()
     assert config.served_model_name == TINY_NAME
     stamp = Path(config.target, "config.json").stat().st_mtime_ns
-    assert resolve_models(EngineConfig(), root=tmp_path) == config                # built once
+    assert resolve_models(EngineConfig(**missing), root=tmp_path) == config      # built once
     assert Path(config.target, "config.json").stat().st_mtime_ns == stamp
     explicit = EngineConfig(target=str(tmp_path / "mine"), draft=None, mode="ar")
     assert resolve_models(explicit, root=tmp_path) is explicit                    # only the default is swapped
+
+
+def test_installed_default_pair_is_used_as_is(tmp_path):
+    config = EngineConfig()
+    if not Path(config.target).is_dir():
+        pytest.skip("the embedded default pair is not installed")
+    assert resolve_models(config, root=tmp_path) is config and not list(tmp_path.iterdir())
 
 
 def test_bench_runs_the_bench_module(capsys):
@@ -157,7 +170,13 @@ def wait_ready(url: str, cmd: Command, timeout: float) -> None:
     raise AssertionError(f"{url} did not become healthy; output:\n{cmd.output()[-4000:]}")
 
 
+def default_model_name(run_env) -> str:
+    """What `EngineConfig()` serves: the embedded pair, or the tiny pair while that is not installed."""
+    return resolve_models(EngineConfig(), root=Path(run_env["MINEDRAFT_CACHE"])).served_model_name
+
+
 def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
+    model = default_model_name(run_env)
     port, dashboard_port = free_port(), free_port()
     cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--dashboard-port", str(dashboard_port)], run_env,
                   tmp_path / "serve.log")
@@ -167,10 +186,14 @@ def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
         assert f"{url}/v1" in out and f"http://127.0.0.1:{dashboard_port}" in out
         assert requests.get(f"http://127.0.0.1:{dashboard_port}/api/version", timeout=30).status_code == 200
         models = requests.get(url + "/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [TINY_NAME]
+        assert [m["id"] for m in models["data"]] == [model]
         r = requests.post(url + "/v1/completions", timeout=120,
-                          json={"model": TINY_NAME, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0})
+                          json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0,
+                                "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        chat = requests.post(url + "/v1/chat/completions", timeout=120,   # no max_tokens: up to the context
+                             json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         code = cmd.interrupt()
     assert code == 0 and "shutting down" in cmd.output()
@@ -189,7 +212,8 @@ def test_serve_run_of_the_yaml(run_env, tmp_path):
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, cmd, timeout=300)
         r = requests.post(url + "/v1/chat/completions", timeout=120,   # no MINEDRAFT_API_KEY: open
-                          json={"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6})
+                          json={"model": default_model_name(run_env), "max_tokens": 6,
+                                "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["usage"]["completion_tokens"] <= 6 and body["minedraft"]["mode"] == "psd"

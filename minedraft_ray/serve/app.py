@@ -89,7 +89,7 @@ class EngineServer:
         await self.manager.abort(request_id)
 
     async def info(self) -> dict:   # async: runs on the loop that owns the manager
-        return {**self.manager.info(), "workers": self.manager.worker_info}
+        return {**self.manager.info(), "max_len": self.manager.max_len, "workers": self.manager.worker_info}
 
     async def check_health(self) -> None:
         if self.manager.dead:
@@ -282,6 +282,12 @@ class OpenAIServer:
         self.model_name = self.config.served_model_name
         self.api_key_sha256 = api_key_sha256
         self.created = int(time.time())
+        self.max_len: int | None = None   # the engine's context limit (it may lower max_len to the model's)
+
+    async def _context_limit(self) -> int:
+        if self.max_len is None:
+            self.max_len = (await self.engine.info.remote())["max_len"]
+        return self.max_len
 
     # ---- plumbing ------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -299,10 +305,9 @@ class OpenAIServer:
                            "not_found_error", param="model", code="model_not_found")
 
     def _params(self, req, prompt_len: int, max_tokens: int | None, num_logprobs: int | None, param: str,
-                seed: int | None) -> SamplingParams:
+                seed: int | None, limit: int) -> SamplingParams:
         if prompt_len == 0:
             raise APIError(400, "The prompt is empty.", param=param)
-        limit = self.config.max_len
         if prompt_len >= limit:
             raise APIError(400, f"The prompt has {prompt_len} tokens; the context limit is {limit} tokens "
                            "(prompt + output).", param=param, code="context_length_exceeded")
@@ -330,12 +335,13 @@ class OpenAIServer:
             raise APIError(400, f"n x prompts = {len(prompts) * req.n} exceeds the {self.config.max_running} "
                            "requests this engine runs at once.", param="n")
         stop = req.stop_strings()
+        limit = await self._context_limit()
         base = f"{uuid.uuid4().hex}"
         choices = []
         for p, prompt in enumerate(prompts):
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed)
+                params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit)
                 index = p * req.n + i
                 choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer))
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
@@ -437,7 +443,7 @@ class OpenAIServer:
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "minedraft", "root": self.config.target,
-                                            "max_model_len": self.config.max_len}]}
+                                            "max_model_len": await self._context_limit()}]}
 
     @api.get("/v1/minedraft/info")
     async def info(self, request: Request):
