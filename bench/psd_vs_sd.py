@@ -108,7 +108,9 @@ def gpu_setup(args) -> Setup:
     for model in (args.target, args.draft):  # materialise random:<preset> folders once, before any actor races
         resolve_model(model)
     return Setup(smoke=False, models={"synthetic": (args.target, args.draft)},  # "real" is built by part 2
-                 ms=[64, 16], alphas=[0.8, 0.6], k_min=5, k_max=8, transport=args.transport, pairs=not args.no_pairs)
+                 ms=[int(x) for x in args.ms.split(",")], alphas=[float(x) for x in args.alphas.split(",")],
+                 k_min=min(5, args.k_max), k_max=args.k_max, batch_mults=tuple(int(x) for x in args.batch_mults.split(",")),
+                 transport=args.transport, pairs=not args.no_pairs)
 
 
 def smoke_setup(args, work: Path) -> Setup:
@@ -989,6 +991,10 @@ def main(argv=None) -> int:
     p.add_argument("--transport", choices=["object_store", "rdt"], default="object_store")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
+    p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
+    p.add_argument("--alphas", default="0.8,0.6", help="synthetic acceptance rates, in priority order")
+    p.add_argument("--k-max", type=int, default=8, help="largest k of the sweeps")
+    p.add_argument("--batch-mults", default="1,2,4", help="baseline batches as multiples of m")
     args = p.parse_args(argv)
     start = time.perf_counter()  # the first part's budget counts from here: Ray and model setup included
     parts = [1, 2] if (args.part or ("all" if args.smoke else "1")) == "all" else [int(args.part)]

@@ -164,7 +164,6 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config, _ = load_engine_config(ns, parser)
     from . import LLM, SamplingParams
-    from .serve.default_models import resolve_models
 
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_tokens=ns.max_tokens,
                             seed=ns.seed, ignore_eos=ns.ignore_eos)
@@ -175,7 +174,7 @@ def cmd_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     import ray
 
     start_ray(ns)
-    llm = LLM(config=resolve_models(config))
+    llm = LLM(config=config)
     try:
         prompts = ns.prompts
         if ns.chat:

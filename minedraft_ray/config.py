@@ -12,6 +12,7 @@ MODES = ("ar", "sd", "sd_split", "psd")
 Mode = Literal["ar", "sd", "sd_split", "psd"]
 ASSETS = Path(__file__).parent / "assets"
 ENV_PREFIX = "MINEDRAFT_"
+DEFAULT_MODEL_NAME = "minedraft-default"  # the id the embedded pair is served under
 
 
 def default_target() -> str:
@@ -56,7 +57,9 @@ class EngineConfig(BaseModel):
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or Path(self.target).name
+        if self.model_name:
+            return self.model_name
+        return DEFAULT_MODEL_NAME if self.target == default_target() else Path(self.target).name
 
     @property
     def uses_drafter(self) -> bool:

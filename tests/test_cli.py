@@ -16,7 +16,6 @@ import yaml
 from minedraft_ray.cli import build_parser, engine_overrides, main
 from minedraft_ray.config import EngineConfig
 from minedraft_ray.serve.app import load_config, serve_limits
-from minedraft_ray.serve.default_models import TINY_NAME, resolve_models
 
 REPO = Path(__file__).resolve().parent.parent
 MINEDRAFT = str(Path(sys.executable).parent / "minedraft")
@@ -73,28 +72,10 @@ def test_serve_limits_follow_the_engine():
     assert limits["max_ongoing_requests"] >= 2 * 16 + 100 and limits["max_queued_requests"] > 0
 
 
-def test_default_models_fall_back_to_the_tiny_pair(tmp_path, monkeypatch):
-    from minedraft_ray.serve import default_models
-
-    # the embedded pair as if it were not installed
-    missing = {"target": str(tmp_path / "assets" / "default-target"), "draft": str(tmp_path / "assets" / "default-draft")}
-    monkeypatch.setattr(default_models, "default_target", lambda: missing["target"])
-    monkeypatch.setattr(default_models, "default_draft", lambda: missing["draft"])
-    config = resolve_models(EngineConfig(**missing), root=tmp_path)
-    assert Path(config.target, "config.json").is_file() and Path(config.draft, "config.json").is_file()
-    assert config.served_model_name == TINY_NAME
-    stamp = Path(config.target, "config.json").stat().st_mtime_ns
-    assert resolve_models(EngineConfig(**missing), root=tmp_path) == config      # built once
-    assert Path(config.target, "config.json").stat().st_mtime_ns == stamp
-    explicit = EngineConfig(target=str(tmp_path / "mine"), draft=None, mode="ar")
-    assert resolve_models(explicit, root=tmp_path) is explicit                    # only the default is swapped
-
-
-def test_installed_default_pair_is_used_as_is(tmp_path):
+def test_embedded_default_pair_is_the_default():
     config = EngineConfig()
-    if not Path(config.target).is_dir():
-        pytest.skip("the embedded default pair is not installed")
-    assert resolve_models(config, root=tmp_path) is config and not list(tmp_path.iterdir())
+    assert Path(config.target, "config.json").is_file() and Path(config.draft, "model.safetensors").is_file()
+    assert config.served_model_name == "minedraft-default"
 
 
 def test_bench_runs_the_bench_module(capsys):
@@ -171,8 +152,8 @@ def wait_ready(url: str, cmd: Command, timeout: float) -> None:
 
 
 def default_model_name(run_env) -> str:
-    """What `EngineConfig()` serves: the embedded pair, or the tiny pair while that is not installed."""
-    return resolve_models(EngineConfig(), root=Path(run_env["MINEDRAFT_CACHE"])).served_model_name
+    """What `EngineConfig()` serves: the embedded pair."""
+    return EngineConfig().served_model_name
 
 
 def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):

@@ -306,7 +306,9 @@ BROKEN = {
 }
 
 
-@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
+# The residual and bonus machinery these break serves probabilistic drafting; greedy drafts take the
+# sample-then-compare path, whose stronger check is test_greedy_drafts_emit_exactly_what_sample_emits.
+@pytest.mark.parametrize("drafting", ["probabilistic"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("broken", list(BROKEN))
 def test_distribution_test_rejects_broken_samplers(broken, case, drafting, monkeypatch):
@@ -316,7 +318,7 @@ def test_distribution_test_rejects_broken_samplers(broken, case, drafting, monke
     assert min(pvalues(CASES[case], drafting, ragged=False)) < P_MIN
 
 
-@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
+@pytest.mark.parametrize("drafting", ["probabilistic"])
 def test_inverse_cdf_with_renormalised_residual_passes(drafting, monkeypatch):
     # the control for "residual_not_renormalised": the same inverse-CDF sampler is fine once the residual is
     # normalised, so the failure above is the missing normalisation (the race itself needs none)
@@ -324,3 +326,32 @@ def test_inverse_cdf_with_renormalised_residual_passes(drafting, monkeypatch):
     monkeypatch.setattr(rejection, "_residual", _normalised_residual)
     ps = pvalues(CASES["topp0.8"], drafting, ragged=False)
     assert min(ps) > P_MIN, ps
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_drafts_emit_exactly_what_sample_emits(case):
+    """With greedy drafting every emitted token is the token `sample` draws at that position, whatever
+    the drafts were: a seeded request reads the same in ar, sd and psd."""
+    b = build([CASES[case]] * N)
+    pos = torch.arange(N) % 13 + 3
+    logits = TARGET_LOGITS[None, :K + 1].expand(N, -1, -1)
+    drafts = DRAFT_LOGITS[None, :K].expand(N, -1, -1).argmax(-1)
+    out, n = rejection_sample(logits, drafts, full(N, K), b, pos)
+    plain = torch.stack([sample(logits[:, t], b, pos + t) for t in range(K + 1)], 1)   # [N, K+1]
+    emitted = torch.arange(K + 1) < n.view(-1, 1)
+    assert torch.equal(out[emitted], plain[emitted])
+    assert 0 < (n - 1).sum() < N * K          # some drafts accepted, some rejected
+
+
+def test_greedy_drafts_break_if_the_emitted_token_is_the_draft(monkeypatch):
+    # the check above is not vacuous: emitting the draft at a mismatch changes the output
+    right = rejection._sample_then_compare
+
+    def wrong(target_logits, drafts, valid, j, batch, positions):
+        out, n = right(target_logits, drafts, valid, j, batch, positions)
+        k = drafts.shape[1]
+        fix = torch.where((j[:k] == (n - 1).view(-1, 1)) & valid, drafts, out[:, :k])
+        return torch.cat([fix, out[:, k:]], 1), n
+    monkeypatch.setattr(rejection, "_sample_then_compare", wrong)
+    with pytest.raises(AssertionError):
+        test_greedy_drafts_emit_exactly_what_sample_emits("T0.7")

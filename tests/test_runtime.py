@@ -234,3 +234,21 @@ def test_reconfigure_k_in_place(ray_cluster, tiny_llama, tiny_llama_draft, refer
         assert ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.worker_info))["verifier"]["pid"] == pid
     finally:
         llm.shutdown()
+
+
+def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_llama, tiny_llama_draft):
+    """Greedy drafting samples the target with the noise plain decoding uses at each position, so a
+    seeded request gives the ar text in psd too, alone or among others (whatever the draft schedule)."""
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + i)
+              for i in range(len(PROMPTS))]
+    ar = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, params)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=3, max_batch=3, torch_threads=1)
+    try:
+        crowd = llm.generate(PROMPTS, params)
+        alone = llm.generate(PROMPTS[2], params[2])[0]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in crowd] == [o.token_ids for o in ar]
+    assert alone.token_ids == ar[2].token_ids
+    assert sum(o.stats["accepted"] for o in crowd) > 0
+    assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)

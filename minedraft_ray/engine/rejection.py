@@ -45,6 +45,8 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     drafts = torch.where(valid, draft_ids, 0)                                      # padding may hold -1
     if batch.all_greedy:
         return _greedy(target_logits, drafts, valid, j)
+    if draft_probs is None:
+        return _sample_then_compare(target_logits, drafts, valid, j, batch, positions)
 
     p = process_logits(target_logits, batch)                                       # [B, k+1, V]
     p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                # [B, k]
@@ -74,6 +76,22 @@ def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_d
     out = torch.where(j < num_accepted.view(-1, 1), torch.cat([drafts, drafts[:, :1]], 1),
                       torch.where(j == num_accepted.view(-1, 1), last.view(-1, 1), -1))
     return out, num_accepted + 1
+
+
+def _sample_then_compare(target_logits, drafts, valid, j, batch, positions):
+    """Greedy (one-hot) drafts: sample the target at every verify position with the very noise plain
+    decoding would use there, and accept while the draft equals that sample.
+
+    Accepting d with probability p(d), and otherwise emitting the target sample conditioned on != d,
+    is exactly min(1, p/q) with q one-hot and the residual norm(max(0, p - q)); drawing both from the
+    target's own sample makes every emitted token the token `sample` would emit at that position for
+    that prefix, so a seeded request gives the same text in ar, sd and psd, at any load."""
+    p = process_logits(target_logits, batch)                                       # [B, k+1, V]
+    u = noise_uniform(batch.seed, positions.view(-1, 1) + j, PURPOSE_SAMPLE, p.shape[-1])  # [B, k+1, V]
+    target = exponential_race(p, u)                                                # [B, k+1]
+    k = drafts.shape[1]
+    num_accepted = ((drafts == target[:, :k]) & valid).long().cumprod(1).sum(1)    # [B]
+    return torch.where(j <= num_accepted.view(-1, 1), target, -1), num_accepted + 1
 
 
 def _greedy(target_logits, drafts, valid, j):

@@ -231,7 +231,7 @@ class BatchManager:
         emitted = 0
         for r, toks in zip(requests, kept):
             emitted += len(toks)
-            lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs and toks else None
+            lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs is not None and toks else None
             if r.finished:
                 if r.slot is not None:
                     self.slots.free(r.slot)
@@ -289,7 +289,8 @@ class BatchManager:
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
         log.error("engine is dead: %s", reason)
-        for r in list(self.waiting) + self.batches[0] + self.batches[1]:
+        # every request still known: waiting, in a batch, or admitted in the step that failed
+        for r in list(self.requests.values()):
             if not r.finished:
                 self._finish(r, "abort", error=reason)
         self.waiting.clear()

@@ -42,7 +42,6 @@ from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
 from ..runtime.placement import STRATEGY, make_bundles
-from .default_models import resolve_models
 from .detokenize import OutputText, TokenStrings
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
@@ -532,7 +531,7 @@ def build_app(args: dict | None = None):
 
 
 def build_app_with_key(args: dict | None, api_key: str | None):
-    config = resolve_models(load_config(args))
+    config = load_config(args)
     for model in (config.target, config.draft):   # materialise random:<preset> folders before the replicas race
         resolve_model(model)
     bundles = make_bundles(config.mode)
