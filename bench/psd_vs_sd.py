@@ -110,7 +110,7 @@ def gpu_setup(args) -> Setup:
     return Setup(smoke=False, models={"synthetic": (args.target, args.draft)},  # "real" is built by part 2
                  ms=[int(x) for x in args.ms.split(",")], alphas=[float(x) for x in args.alphas.split(",")],
                  k_min=min(5, args.k_max), k_max=args.k_max, batch_mults=tuple(int(x) for x in args.batch_mults.split(",")),
-                 transport=args.transport, pairs=not args.no_pairs)
+                 transport=args.transport, pairs=not args.no_pairs, temperature=args.temperature)
 
 
 def smoke_setup(args, work: Path) -> Setup:
@@ -994,6 +994,7 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
     p.add_argument("--alphas", default="0.8,0.6", help="synthetic acceptance rates, in priority order")
     p.add_argument("--k-max", type=int, default=8, help="largest k of the sweeps")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of synthetic rows")
     p.add_argument("--batch-mults", default="1,2,4", help="baseline batches as multiples of m")
     args = p.parse_args(argv)
     start = time.perf_counter()  # the first part's budget counts from here: Ray and model setup included
