@@ -506,7 +506,7 @@ class Budget:
 
 # ---- results ------------------------------------------------------------------------------------
 class Results:
-    def __init__(self, out_dir: Path, priors: list[Path], parts: set[int], context: dict):
+    def __init__(self, out_dir: Path, priors: list[Path], parts: set[int], context: dict, resume: bool = False):
         self.out_dir, self.context = out_dir, context
         self.rows: list[dict] = []
         seen = set()
@@ -516,7 +516,8 @@ class Results:
                 import pyarrow.parquet as pq
 
                 self.rows += [r for r in pq.read_table(path).to_pylist()
-                              if r.get("part") not in parts and r.get("device") == context["device"]]
+                              if (r.get("part") not in parts or (resume and r.get("status") == "ok"))
+                              and r.get("device") == context["device"]]
         self.prior_count = len(self.rows)
 
     def add(self, row: dict) -> dict:
@@ -695,6 +696,8 @@ class Bench:
     def _sd_sweep(self, m: int, a: float, i: int) -> Spec | None:
         """sd runs the k values psd ran, in the same order."""
         ks = [r["k"] for r in self._psd_rows(m, a, ok=True)]
+        if self.args.sd_ks:  # an explicit sweep (e.g. the k values around psd's best, when time is short)
+            ks = [int(x) for x in self.args.sd_ks.split(",")]
         return Spec("sd", m, ks[i], a) if i < len(ks) else None
 
     def part1(self) -> None:
@@ -994,6 +997,9 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
     p.add_argument("--alphas", default="0.8,0.6", help="synthetic acceptance rates, in priority order")
     p.add_argument("--k-max", type=int, default=8, help="largest k of the sweeps")
+    p.add_argument("--sd-ks", default=None, help="sd's k sweep (default: the k values psd ran)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished rows of the same part from --prior and run only what is missing")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of synthetic rows")
     p.add_argument("--batch-mults", default="1,2,4", help="baseline batches as multiples of m")
     args = p.parse_args(argv)
@@ -1011,7 +1017,7 @@ def main(argv=None) -> int:
                                                                Path("bench/results") / f"{NAME}.parquet"]
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd"), "device": machine_name(args.smoke),
                "transport": setup.transport}
-    results = Results(out, priors, set(parts), context)
+    results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")
     own_ray = not ray.is_initialized()
