@@ -212,9 +212,11 @@ def test_cuda_matches_cpu_without_host_sync(with_probs):
         assert torch.equal(a, c)
     # greedy fast path too
     b = SamplingBatch.build([GREEDY] * B, "cuda")
+    # host-to-device copies are synchronizing: make them before the checked region
+    args = [t.cuda() for t in (logits, results[1][0], num_drafts, pos)]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, n = rejection_sample(logits.cuda(), results[1][0].cuda(), num_drafts.cuda(), b, pos.cuda())
+        out, n = rejection_sample(args[0], args[1], args[2], b, args[3])
     finally:
         torch.cuda.set_sync_debug_mode(0)
     ref = rejection_sample(logits, results[1][0], num_drafts, SamplingBatch.build([GREEDY] * B, "cpu"), pos)
