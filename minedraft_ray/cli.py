@@ -27,6 +27,7 @@ examples:
   minedraft generate "def fibonacci(n):" --max-tokens 64 --temperature 0
   minedraft bench psd_vs_sd --smoke                 # python -m bench.psd_vs_sd --smoke
   serve run deployments/minedraft.yaml              # the same app from a Serve config file
+  minedraft grafana push --url http://grafana:3000 --token $GRAFANA_TOKEN   # provision the dashboard
 
 Every engine flag can also be set as MINEDRAFT_<FIELD> (e.g. MINEDRAFT_MAX_BATCH=32); flags win.
 MINEDRAFT_API_KEY, when set, makes the API require 'Authorization: Bearer <key>'.
@@ -221,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="minedraft", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="MineDraft batch-parallel speculative decoding on Ray: an OpenAI-compatible server, "
                     "offline generation and benchmarks.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench,grafana}")
 
     serve = sub.add_parser("serve", help="deploy the OpenAI-compatible API on Ray Serve and block until Ctrl-C",
                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
@@ -258,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", nargs="?", help="benchmark module in bench/")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     bench.set_defaults(func=cmd_bench, parser=bench)
+    from .observability.grafana import add_grafana_commands
+    add_grafana_commands(sub)
     return parser
 
 

@@ -210,3 +210,12 @@ def test_minedraft_generate(run_env, tmp_path, tiny_llama, tiny_llama_draft):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("--- 8 tokens, finish_reason=length, acceptance_rate=") == 2
     assert "=== 1: 'def fibonacci(n):'" in out.stdout
+
+
+def test_grafana_export_through_the_cli(tmp_path):
+    import json
+    from minedraft_ray.cli import main
+    out = tmp_path / "dash.json"
+    assert main(["grafana", "export", "--out", str(out)]) in (0, None)
+    shipped = Path(__file__).parents[1] / "deployments" / "grafana" / "minedraft-dashboard.json"
+    assert json.loads(out.read_text()) == json.loads(shipped.read_text())
