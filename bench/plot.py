@@ -88,7 +88,38 @@ def plot_psd_vs_sd(parquet, png) -> Path:
     return png
 
 
-PLOTS = {"psd_vs_sd": plot_psd_vs_sd}
+def plot_engine_speed(parquet, png) -> Path:
+    """Step time against batch for decode (q=1) and verify (q=5), with the HBM floor and transformers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_rows(parquet) if r.get("lengths", str(r["context"])) == str(r["context"])]
+    models = sorted({r["model"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for q, style in ((1, "-"), (5, "--")):
+            pts = sorted((r["batch"], r) for r in rows if r["model"] == model and r["q"] == q)
+            if not pts:
+                continue
+            batches = [b for b, _ in pts]
+            ax.plot(batches, [r["ms"] for _, r in pts], "o" + style, color="C0", label=f"minedraft q={q}")
+            ax.plot(batches, [r["floor_ms"] for _, r in pts], style, color="C2", label=f"HBM floor q={q}")
+            if any(r.get("ms_transformers") for _, r in pts):
+                ax.plot(batches, [r.get("ms_transformers") for _, r in pts], "x" + style, color="C3",
+                        label=f"transformers eager q={q}")
+        ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (context 512)",
+               title=f"{model} step time")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
+PLOTS = {"psd_vs_sd": plot_psd_vs_sd, "engine_speed": plot_engine_speed}
 
 
 def main(argv=None) -> int:

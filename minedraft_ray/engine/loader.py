@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from .model import ModelConfig, Transformer, rope_cos_sin
 from .presets import init_random_, is_random
@@ -106,9 +107,12 @@ def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
     slices = _weight_slices(model)
     loaded, unexpected = set(), []
     with torch.no_grad():
+        # a progress bar on a terminal (tqdm stays silent when stderr is not a TTY: actors, CI)
+        bar = tqdm(total=len(slices), desc=f"loading {path.name}", unit="tensor", disable=None, leave=False)
         for file in files:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for name in f.keys():
+                    bar.update(name in slices)
                     if name not in slices:
                         if not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.lm_head is None):
                             unexpected.append(name)
@@ -121,6 +125,7 @@ def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
                                               f"expected {tuple(target.shape)} from config.json")
                     target.copy_(tensor)
                     loaded.add(name)
+        bar.close()
     missing = sorted(set(slices) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
