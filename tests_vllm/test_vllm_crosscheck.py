@@ -47,14 +47,17 @@ def minedraft_ar(pair, prompt_ids):
     return [o.token_ids for o in Engine(pair[0], mode="ar", max_batch=8, device="cpu").generate(prompt_ids, params)]
 
 
-def vllm_generate(prompt_ids, **llm_kwargs) -> list[list[int]]:
+def vllm_generate(prompt_ids, **llm_kwargs) -> tuple[list[list[int]], dict]:
+    """Greedy token ids per prompt and vLLM's counters (e.g. 'vllm:spec_decode_num_draft_tokens')."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True, **llm_kwargs)
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=8, seed=0, enforce_eager=True,
+              disable_log_stats=False, **llm_kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
                             SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        return [list(o.outputs[0].token_ids) for o in outs], counters
     finally:
         del llm
         gc.collect()
@@ -62,16 +65,23 @@ def vllm_generate(prompt_ids, **llm_kwargs) -> list[list[int]]:
 
 def test_ar_greedy_equals_vllm(pair, prompt_ids, minedraft_ar):
     ours = minedraft_ar
-    theirs = vllm_generate(prompt_ids, model=str(pair[0]))
+    theirs, _ = vllm_generate(prompt_ids, model=str(pair[0]))
     assert all(len(t) == MAX_TOKENS for t in theirs)
     assert ours == theirs
 
 
 def test_sd_greedy_equals_vllm_draft_model(pair, prompt_ids, minedraft_ar):
     params = MineParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ours = [o.token_ids for o in Engine(pair[0], pair[1], mode="sd", k=K, max_batch=8, device="cpu")
-            .generate(prompt_ids, params)]
-    theirs = vllm_generate(prompt_ids, model=str(pair[0]), speculative_config={
+    outs = Engine(pair[0], pair[1], mode="sd", k=K, max_batch=8, device="cpu").generate(prompt_ids, params)
+    ours = [o.token_ids for o in outs]
+    theirs, counters = vllm_generate(prompt_ids, model=str(pair[0]), speculative_config={
         "method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": K})
     assert ours == minedraft_ar
     assert ours == theirs
+    # vLLM really speculated (a silently disabled SD would also match ar), and both engines accepted the very
+    # same drafts: greedy drafting and greedy acceptance are deterministic per sequence
+    drafted, accepted = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+    our_drafted, our_accepted = sum(o.stats["drafted"] for o in outs), sum(o.stats["accepted"] for o in outs)
+    print(f"vLLM drafted {drafted} accepted {accepted}; minedraft drafted {our_drafted} accepted {our_accepted}")
+    assert 0 < accepted < drafted
+    assert (drafted, accepted) == (our_drafted, our_accepted)
