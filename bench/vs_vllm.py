@@ -1,6 +1,7 @@
 """minedraft-ray next to vLLM on the same checkpoint pair and workload, in one run.
 
-Rows: vLLM `ar` and vLLM's standard speculative decoding (method "draft_model"); minedraft `ar` and `sd`
+Rows: vLLM `ar` and vLLM's standard speculative decoding (method "draft_model"); `sd_plugin`, vLLM as the
+verifier with minedraft's draft model behind vLLM's `custom_class` proposer (MinedraftProposer); minedraft `ar` and `sd`
 (in-process Engine) and `psd` (LLM on Ray: drafter and verifier actors, two batches). Every row decodes the
 same prompts greedily (ignore_eos) and must emit the same token ids as vLLM `ar` (`same_ids`).
 
@@ -32,10 +33,10 @@ from pathlib import Path
 NAME = "vs_vllm_cpu"
 COLUMNS = ["engine", "mode", "k", "workload", "n_requests", "max_tokens", "prompt_len", "tokens_per_s",
            "makespan_s", "latency_mean_s", "tokens_per_s_ratio", "latency_ratio", "acceptance_rate",
-           "acceptance_length", "same_ids", "startup_s", "git_sha", "command", "device"]
+           "acceptance_length", "same_ids", "propose_share", "startup_s", "git_sha", "command", "device"]
 TABLE_COLUMNS = ["engine", "mode", "k", "workload", "n_requests", "tokens_per_s", "makespan_s", "latency_mean_s",
                  "tokens_per_s_ratio", "latency_ratio", "acceptance_rate", "acceptance_length", "same_ids",
-                 "startup_s"]
+                 "propose_share", "startup_s"]
 
 
 def cpu_environment() -> None:
@@ -113,7 +114,12 @@ def minedraft_rows(mode: str, target: str, draft: str, k: int, prompts, max_toke
 def vllm_rows(mode: str, target: str, draft: str, k: int, prompts, max_tokens: int, reps: int, device: str):
     from vllm import LLM, SamplingParams
 
+    from bench.vs_vllm import MinedraftProposer  # the class vLLM imports, not __main__'s copy
+
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k} if mode == "sd" else None
+    if mode == "sd_plugin":  # minedraft's draft model behind vLLM's custom_class proposer interface
+        os.environ["MINEDRAFT_VLLM_DRAFT"] = draft
+        spec = {"method": "custom_class", "model": "bench.vs_vllm.MinedraftProposer", "num_speculative_tokens": k}
     t0 = time.perf_counter()
     llm = LLM(model=target, dtype="float32" if device == "cpu" else "auto", seed=0,
               max_model_len=max(len(p) for p in prompts) + max_tokens + 16, max_num_seqs=len(prompts),
@@ -130,24 +136,80 @@ def vllm_rows(mode: str, target: str, draft: str, k: int, prompts, max_tokens: i
 
     generate(prompts[:1])
     before = counters()
+    MinedraftProposer.propose_s = 0.0
     t0 = time.perf_counter()
     ids = generate(prompts)
     batch = {"makespan_s": time.perf_counter() - t0}
+    if mode == "sd_plugin":
+        batch["propose_share"] = MinedraftProposer.propose_s / batch["makespan_s"]
     batch["latency_mean_s"] = batch["makespan_s"]
     after = counters()
     delta = {n: after.get(n, 0) - before.get(n, 0) for n in after}
     singles = []
+    MinedraftProposer.propose_s = 0.0
     for p in prompts[:reps]:
         t0 = time.perf_counter()
         generate([p])
         singles.append(time.perf_counter() - t0)
     single = {"makespan_s": sum(singles), "latency_mean_s": sum(singles) / len(singles)}
+    if mode == "sd_plugin":
+        single["propose_share"] = MinedraftProposer.propose_s / single["makespan_s"]
     acc = acceptance(delta.get("vllm:spec_decode_num_draft_tokens", 0),
                      delta.get("vllm:spec_decode_num_accepted_tokens", 0), delta.get("vllm:spec_decode_num_drafts", 0))
     del llm
     gc.collect()
     return ids, [{"engine": "vllm", "mode": mode, "k": k if mode != "ar" else 0, "workload": w,
                   "startup_s": startup, **acc, **t} for w, t in (("batch", batch), ("single", single))]
+
+
+class MinedraftProposer:
+    """vLLM `custom_class` proposer running minedraft's draft model (greedy, in vLLM's worker process).
+
+    speculative_config={"method": "custom_class", "model": "bench.vs_vllm.MinedraftProposer", ...}; the draft
+    folder comes from $MINEDRAFT_VLLM_DRAFT (the plug-in gets only VllmConfig). vLLM calls propose() after
+    verify + bookkeeping of the same step, with host lists, and waits for it: drafting is serial by contract.
+    No KV cache across steps (the interface does not say which rows were preempted or reordered): each call
+    re-reads every row's whole sequence, which is what a stateless plug-in can do correctly.
+    """
+    propose_s = 0.0  # summed over calls, for the bench's serial-share column
+    calls = 0
+
+    def __init__(self, vllm_config):
+        import torch
+
+        from minedraft_ray.engine.loader import load_model
+
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.max_len = vllm_config.model_config.max_model_len
+        self.model = load_model(os.environ["MINEDRAFT_VLLM_DRAFT"], torch.device("cpu"), torch.float32)
+
+    def load_model(self, *args, **kwargs):  # vLLM calls this on model-based and model-free proposers alike
+        pass
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
+        import torch
+
+        t0 = time.perf_counter()
+        drafts = []
+        with torch.no_grad():
+            for row, sampled in enumerate(sampled_token_ids):
+                n = int(num_tokens_no_spec[row])
+                if not sampled or n + self.k >= self.max_len:
+                    drafts.append([])
+                    continue
+                cache = self.model.make_cache(1, n + self.k)
+                slots = torch.zeros(1, dtype=torch.int64)
+                ids = torch.as_tensor(token_ids_cpu[row, :n], dtype=torch.int64)[None]  # [1, n]: prompt + output
+                out = []
+                for _ in range(self.k):
+                    hidden = self.model(ids, cache, slots)
+                    cache.lengths[slots] += ids.shape[1]
+                    out.append(int(self.model.compute_logits(hidden[0, -1]).argmax()))
+                    ids = torch.tensor([[out[-1]]])
+                drafts.append(out)
+        MinedraftProposer.propose_s += time.perf_counter() - t0
+        MinedraftProposer.calls += 1
+        return drafts
 
 
 def psd_main(args) -> None:
@@ -231,6 +293,7 @@ def main() -> None:
     prompts = make_prompts(len(load_tokenizer(target)), args.n, args.prompt_len)
     common = (target, draft, args.k, prompts, args.max_tokens, args.reps, args.device)
     runs = [("vllm", "ar", lambda: vllm_rows("ar", *common)), ("vllm", "sd", lambda: vllm_rows("sd", *common)),
+            ("vllm", "sd_plugin", lambda: vllm_rows("sd_plugin", *common)),
             ("minedraft", "ar", lambda: minedraft_rows("ar", *common)),
             ("minedraft", "sd", lambda: minedraft_rows("sd", *common))]
     if args.psd_python:
@@ -254,7 +317,9 @@ def main() -> None:
     import vllm
     notes = [f"vllm {vllm.__version__}, torch {torch.__version__}; target {target}, draft {draft}",
              "ratios: against vLLM ar of the same workload; batch latency = makespan (closed batch)",
-             "same_ids: greedy token ids equal to vLLM ar's for every prompt"]
+             "same_ids: greedy token ids equal to vLLM ar's for every prompt",
+             "propose_share: vllm sd_plugin only, fraction of the run spent inside the custom proposer's propose() "
+             "(serial with verification by vLLM's step contract; the plug-in recomputes each row, no draft KV cache)"]
     if args.device == "cpu":
         notes.append("CPU: one thread per engine (vLLM bound to core 0; psd: one thread per Ray actor, drafter "
                      "and verifier share the machine's 2 cores): informational, not a speed claim")

@@ -70,9 +70,14 @@ def test_ar_greedy_equals_vllm(pair, prompt_ids, minedraft_ar):
     assert ours == theirs
 
 
-def test_sd_greedy_equals_vllm_draft_model(pair, prompt_ids, minedraft_ar):
+@pytest.fixture(scope="module")
+def minedraft_sd(pair, prompt_ids):
     params = MineParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = Engine(pair[0], pair[1], mode="sd", k=K, max_batch=8, device="cpu").generate(prompt_ids, params)
+    return Engine(pair[0], pair[1], mode="sd", k=K, max_batch=8, device="cpu").generate(prompt_ids, params)
+
+
+def test_sd_greedy_equals_vllm_draft_model(pair, prompt_ids, minedraft_ar, minedraft_sd):
+    outs = minedraft_sd
     ours = [o.token_ids for o in outs]
     theirs, counters = vllm_generate(prompt_ids, model=str(pair[0]), speculative_config={
         "method": "draft_model", "model": str(pair[1]), "num_speculative_tokens": K})
@@ -85,3 +90,16 @@ def test_sd_greedy_equals_vllm_draft_model(pair, prompt_ids, minedraft_ar):
     print(f"vLLM drafted {drafted} accepted {accepted}; minedraft drafted {our_drafted} accepted {our_accepted}")
     assert 0 < accepted < drafted
     assert (drafted, accepted) == (our_drafted, our_accepted)
+
+
+def test_vllm_verifier_with_minedraft_drafter_plugin(pair, prompt_ids, minedraft_ar, minedraft_sd, monkeypatch):
+    """vLLM verifies, minedraft's draft model proposes through vLLM's `custom_class` hook (docs/vllm.md):
+    lossless (ar's ids) and the same drafts as minedraft sd (same accepted count)."""
+    monkeypatch.setenv("MINEDRAFT_VLLM_DRAFT", str(pair[1]))
+    theirs, counters = vllm_generate(prompt_ids, model=str(pair[0]), speculative_config={
+        "method": "custom_class", "model": "bench.vs_vllm.MinedraftProposer", "num_speculative_tokens": K})
+    assert theirs == minedraft_ar
+    drafted, accepted = counters["vllm:spec_decode_num_draft_tokens"], counters["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted
+    assert (drafted, accepted) == (sum(o.stats["drafted"] for o in minedraft_sd),
+                                   sum(o.stats["accepted"] for o in minedraft_sd))
