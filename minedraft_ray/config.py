@@ -43,6 +43,10 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
+    # scale-out (Serve): data-parallel engine replicas, each with its own drafter+verifier placement group
+    num_replicas: int = Field(1, ge=1, description="engine replicas (autoscaling: the initial count)")
+    min_replicas: int | None = Field(None, ge=1, description="autoscaling floor (default 1; needs max_replicas)")
+    max_replicas: int | None = Field(None, ge=1, description="autoscale engine replicas up to this many")
 
     @field_validator("target", "draft", mode="before")
     @classmethod
@@ -53,6 +57,11 @@ class EngineConfig(BaseModel):
     def _check(self):
         if self.mode != "ar" and not self.draft:
             raise ValueError(f"mode {self.mode!r} needs a draft model")
+        if self.max_replicas is None:
+            if self.min_replicas is not None:
+                raise ValueError("min_replicas needs max_replicas (autoscaling)")
+        elif (self.min_replicas or 1) > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         return self
 
     @property
@@ -78,6 +87,7 @@ class EngineConfig(BaseModel):
         for name in cls.model_fields:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                values[name] = None if raw.lower() in ("", "none", "null") and name in ("draft", "num_slots") else raw
+                nullable = ("draft", "num_slots", "min_replicas", "max_replicas")
+                values[name] = None if raw.lower() in ("", "none", "null") and name in nullable else raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.model_validate(values)

@@ -5,8 +5,10 @@
 
 EngineServer: its replica owns the MineDraft placement group (bundle 0 is the replica itself, the other
 bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager, and streams
-StepOutputs (token ids, logprobs, stats). One replica per application: the placement group already spans
-the GPUs a replica needs.
+StepOutputs (token ids, logprobs, stats). Scale-out is data parallel: `num_replicas` (or autoscaling between
+`min_replicas` and `max_replicas`) engine replicas, each with its own placement group, so each replica's
+drafter and verifier stay on one node. A request lives on the replica Serve routed it to; only its own
+stream reaches it again (see Choice._abort).
 
 OpenAIServer (ingress): tokenizes, validates, detokenizes, cuts stop strings and formats the responses.
 Detokenizing here keeps that CPU work off the engine replica, whose event loop drives the step loop.
@@ -55,7 +57,7 @@ ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, 
 
 # ---------------------------------------------------------------- engine deployment
 
-@serve.deployment(name="MineDraftEngine", num_replicas=1, health_check_period_s=10, health_check_timeout_s=60,
+@serve.deployment(name="MineDraftEngine", health_check_period_s=10, health_check_timeout_s=60,
                   graceful_shutdown_timeout_s=30)
 class EngineServer:
     async def __init__(self, config: dict):
@@ -84,11 +86,17 @@ class EngineServer:
                 await first
             await stream.aclose()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request this replica holds; False when it does not know it (another replica has it, or it
+        has finished)."""
+        if request_id not in self.manager.requests:
+            return False
         await self.manager.abort(request_id)
+        return True
 
     async def info(self) -> dict:   # async: runs on the loop that owns the manager
-        return {**self.manager.info(), "max_len": self.manager.max_len, "workers": self.manager.worker_info}
+        return {**self.manager.info(), "max_len": self.manager.max_len, "workers": self.manager.worker_info,
+                "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def check_health(self) -> None:
         if self.manager.dead:
@@ -202,16 +210,21 @@ class Choice:
             self._apply(out)
 
     async def _abort(self) -> None:
-        """Stop the engine request after a stop string, keeping its stats from the final output."""
+        """Stop the engine request after a stop string, keeping its stats from the final output.
+
+        The abort call is routed like any call: with several engine replicas it may reach one that does not
+        hold the request. Then the stream is cancelled instead, which aborts the request on its own replica
+        (EngineServer.generate closes the manager stream); only its stats are lost."""
         async def drain():
-            await self.engine.abort.remote(self.request_id)
+            if not await self.engine.abort.remote(self.request_id):
+                raise LookupError(self.request_id)
             async for out in self.stream:
                 if out.finished:
                     self.stats, self.done = out.stats, True
                     return
         try:
             await asyncio.wait_for(drain(), ABORT_DRAIN_S)
-        except (asyncio.TimeoutError, StopAsyncIteration):
+        except (asyncio.TimeoutError, StopAsyncIteration, LookupError):
             self.close()
         self.done = True
 
@@ -513,13 +526,24 @@ def load_config(args: dict | None) -> EngineConfig:
         raise ValueError(f"invalid minedraft settings (args or MINEDRAFT_* variables): {problems}") from None
 
 
-def serve_limits(config: EngineConfig) -> dict:
-    """Serve's per-replica limits. The engine holds max_running requests plus a bounded queue of max_queued;
-    Serve must let all of them through (its default of 5 would throttle the engine). Serve's own queue only
-    absorbs bursts (its router assigns requests one at a time) and is bounded too; the engine's queue is the
-    one that answers 429 when full."""
-    ongoing = config.max_running + config.max_queued + CONTROL_HEADROOM
+def serve_limits(config: EngineConfig, replicas: int = 1) -> dict:
+    """Serve's per-replica limits for `replicas` engine replicas behind it. The engine holds max_running
+    requests plus a bounded queue of max_queued; Serve must let all of them through (its default of 5 would
+    throttle the engine). Serve's own queue only absorbs bursts (its router assigns requests one at a time) and
+    is bounded too; the engine's queue is the one that answers 429 when full."""
+    ongoing = (config.max_running + config.max_queued) * replicas + CONTROL_HEADROOM
     return {"max_ongoing_requests": ongoing, "max_queued_requests": ongoing}
+
+
+def replica_options(config: EngineConfig) -> dict:
+    """A fixed number of engine replicas, or Serve autoscaling between min_replicas and max_replicas. A replica
+    is full at max_running requests (beyond that they wait in its queue): that is its autoscaling target."""
+    if config.max_replicas is None:
+        return {"num_replicas": config.num_replicas}
+    low = config.min_replicas or 1
+    return {"autoscaling_config": {
+        "min_replicas": low, "initial_replicas": min(max(config.num_replicas, low), config.max_replicas),
+        "max_replicas": config.max_replicas, "target_ongoing_requests": config.max_running}}
 
 
 def build_app(args: dict | None = None):
@@ -538,7 +562,9 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     engine = EngineServer.options(
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
         ray_actor_options={"num_cpus": bundles[0].get("CPU", 0)}, **serve_limits(config),
+        **replica_options(config),
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
-    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1}, **serve_limits(config)).bind(
+    replicas = config.max_replicas or config.num_replicas
+    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1}, **serve_limits(config, replicas)).bind(
         engine, config.model_dump(), key_hash)
