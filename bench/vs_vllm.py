@@ -39,10 +39,13 @@ TABLE_COLUMNS = ["engine", "mode", "k", "workload", "n_requests", "tokens_per_s"
                  "propose_share", "startup_s"]
 
 
-def cpu_environment() -> None:
-    """Before vllm or torch start: in-process engine core, no hub, one bound core, a small KV reservation."""
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+def vllm_environment(device: str) -> None:
+    """Before vllm or torch start: engine core in this process (the plug-in's timers stay readable), no hub;
+    on the CPU one bound core and a small KV reservation."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    if device == "cpu":
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="1")
+    for key, value in env.items():
         os.environ.setdefault(key, value)
 
 
@@ -181,7 +184,9 @@ class MinedraftProposer:
 
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_len = vllm_config.model_config.max_model_len
-        self.model = load_model(os.environ["MINEDRAFT_VLLM_DRAFT"], torch.device("cpu"), torch.float32)
+        self.device = vllm_config.device_config.device  # the target's device: drafting shares it, serially
+        self.model = load_model(os.environ["MINEDRAFT_VLLM_DRAFT"], self.device,
+                                torch.float32 if self.device.type == "cpu" else vllm_config.model_config.dtype)
 
     def load_model(self, *args, **kwargs):  # vLLM calls this on model-based and model-free proposers alike
         pass
@@ -198,14 +203,14 @@ class MinedraftProposer:
                     drafts.append([])
                     continue
                 cache = self.model.make_cache(1, n + self.k)
-                slots = torch.zeros(1, dtype=torch.int64)
-                ids = torch.as_tensor(token_ids_cpu[row, :n], dtype=torch.int64)[None]  # [1, n]: prompt + output
+                slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+                ids = torch.as_tensor(token_ids_cpu[row, :n], dtype=torch.int64, device=self.device)[None]  # [1, n]
                 out = []
                 for _ in range(self.k):
                     hidden = self.model(ids, cache, slots)
                     cache.lengths[slots] += ids.shape[1]
                     out.append(int(self.model.compute_logits(hidden[0, -1]).argmax()))
-                    ids = torch.tensor([[out[-1]]])
+                    ids = torch.tensor([[out[-1]]], device=self.device)
                 drafts.append(out)
         MinedraftProposer.propose_s += time.perf_counter() - t0
         MinedraftProposer.calls += 1
@@ -279,8 +284,7 @@ def main() -> None:
         import torch
         torch.set_num_threads(1)
         return psd_main(args)
-    if args.device == "cpu":
-        cpu_environment()
+    vllm_environment(args.device)
     import torch
 
     from bench.common import command_line, device_name, git_sha, say, write_results

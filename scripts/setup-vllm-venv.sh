@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
-VENV=.venv-vllm
+VENV=${VENV:-.venv-vllm}  # VENV=/tmp/x: a throwaway copy, e.g. to time a clean install
 STAMP=$VENV/.vllm-installed
 [ -f "$STAMP" ] && exit 0
 start=$(date +%s)
