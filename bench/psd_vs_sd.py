@@ -991,7 +991,7 @@ def main(argv=None) -> int:
                    help="real acceptance: the trained pair under minedraft_ray/assets, or a noised tiny copy")
     p.add_argument("--k-psd", type=int, default=None, help="part 2: psd's k (default: best of part 1)")
     p.add_argument("--k-sd", type=int, default=None, help="part 2: sd's k (default: best of part 1)")
-    p.add_argument("--transport", choices=["object_store", "rdt"], default="object_store")
+    p.add_argument("--transport", choices=["object_store"], default="object_store")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")

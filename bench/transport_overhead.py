@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64, help="tokens per request")
-    ap.add_argument("--transports", default="object_store,rdt")
+    ap.add_argument("--transports", default="object_store")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
-    transport: Literal["object_store", "rdt"] = Field("object_store", description="draft channel")
+    transport: Literal["object_store"] = Field("object_store", description="draft channel (docs/transport.md)")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")

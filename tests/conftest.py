@@ -1,10 +1,6 @@
 """Session-wide tiny checkpoints (random weights, real HF format), built once into a temp dir."""
-import os
-
 import pytest
 
-# RDT transfers that cannot complete fail after 15 s instead of Ray's default 60 s (set before Ray starts)
-os.environ.setdefault("RAY_rdt_fetch_fail_timeout_milliseconds", "15000")
 
 from minedraft_ray.testing.tiny import make_noised_draft, make_tiny_model
 from ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per test session)

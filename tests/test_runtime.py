@@ -10,7 +10,6 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM, make_bundles
-from minedraft_ray.runtime.manager import EngineDeadError
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
            "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "hello world, this is a longer "
@@ -125,21 +124,6 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
         llm.shutdown()
 
 
-def test_rdt_transport_greedy_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """The RDT draft channel (gloo on a CPU, NCCL between GPUs) carries the same drafts."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=3, max_batch=3, torch_threads=1, transport="rdt")
-    try:
-        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-        assert llm.info()["transport"] == "rdt"
-        assert sum(o.stats["accepted"] for o in outs) > 0
-    finally:
-        llm.shutdown()
-
-
-# RDT is not in this list: a drafter killed while its drafts wait for the verifier makes the
-# verifier's receive fail, and RDT's policy for such system errors kills the receiving actor too
-# (measured here with gloo), so the default channel is the object store (docs/transport.md).
 @pytest.mark.parametrize("mode", ["psd", "sd_split"])
 def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode):
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1)

@@ -4,12 +4,13 @@ a tiny timing object; the tensors never pass through it.
 
 - `object_store`: the drafter returns host tensors; the verifier receives them as a task argument
   (small objects are inlined into the task, so this is one hop).
-- `rdt`: Ray Direct Transport. The tensors stay on the drafter's device and move over a collective
-  group: NCCL between GPUs, gloo on a CPU (which exercises the same code path in CI).
+
+Ray Direct Transport (RDT, NCCL/gloo collective groups) was implemented and measured behind this
+interface and removed: slower for token-id payloads, it fails the drafter-kill test (RDT kills the
+receiving verifier) and it stalled a verify step under CPU load (docs/transport.md).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import ray
@@ -46,39 +47,7 @@ class ObjectStoreChannel(DraftChannel):
         return drafter.draft.options(num_returns=2).remote(*args)
 
 
-class RDTChannel(DraftChannel):
-    name = "rdt"
-    actor_options = {"enable_tensor_transport": True}
-
-    def __init__(self):
-        self.group = None
-        self.backend = None
-
-    async def connect(self, drafter, verifier, device: str) -> None:
-        from ray.experimental.collective import create_collective_group
-        await self.disconnect()
-        self.backend = "nccl" if device.startswith("cuda") else "gloo"
-        await asyncio.to_thread(ray.get, drafter.set_keep_on_device.remote(True))
-        self.group = await asyncio.to_thread(create_collective_group, [drafter, verifier],
-                                             "nccl" if self.backend == "nccl" else "torch_gloo")
-
-    async def disconnect(self) -> None:
-        if self.group is not None:
-            from ray.experimental.collective import destroy_collective_group
-            group, self.group = self.group, None
-            try:
-                await asyncio.to_thread(destroy_collective_group, group)
-            except Exception as e:  # a dead member: the group is gone with it
-                log.info("collective group teardown: %s", e)
-
-    def submit(self, drafter, args):
-        drafts = drafter.draft_tensors.options(tensor_transport=self.backend).remote(*args)
-        return drafts, drafter.last_draft_ms.remote()
-
-
 def make_channel(name: str) -> DraftChannel:
     if name == "object_store":
         return ObjectStoreChannel()
-    if name == "rdt":
-        return RDTChannel()
-    raise ValueError(f"unknown transport {name!r}; expected 'object_store' or 'rdt'")
+    raise ValueError(f"unknown transport {name!r}; expected 'object_store'")

@@ -150,28 +150,14 @@ class DrafterWorker(_Worker):
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
-        self.keep_on_device = False  # object-store channel: ship host tensors
-
-    def set_keep_on_device(self, keep: bool) -> None:
-        """RDT channel: leave drafts on the device (they move over the collective group)."""
-        self.keep_on_device = keep
-
-    def draft_tensors(self, rows, k: int, seeds: list[int], positions: list[int]) -> dict:
-        """The RDT channel's single-return form of `draft`; its timing is read by `last_draft_ms`."""
-        drafts, self._last_ms = self.draft(rows, k, seeds, positions)
-        return drafts
-
-    def last_draft_ms(self) -> float:
-        return self._last_ms
 
     def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
         """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
         with StepTimer(self.device) as timer:
             pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
             ids, probs = self.drafter.draft([DraftRow(*r) for r in rows], k, seeds, pos_t)
-            if not self.keep_on_device:
-                ids = ids.cpu()
-                probs = probs.cpu() if probs is not None else None
+            ids = ids.cpu()   # the object-store channel ships host tensors
+            probs = probs.cpu() if probs is not None else None
         return {"ids": ids, "probs": probs}, timer.ms
 
 
