@@ -119,7 +119,39 @@ def plot_engine_speed(parquet, png) -> Path:
     return Path(png)
 
 
-PLOTS = {"psd_vs_sd": plot_psd_vs_sd, "engine_speed": plot_engine_speed}
+def bar_plot(label_of, value: str, ylabel: str, title: str):
+    """A one-panel bar chart of `value` per row, labelled by `label_of(row)`."""
+    def plot(parquet, png) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = read_rows(parquet)
+        fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 3.6))
+        ax.bar([label_of(r) for r in rows], [r[value] for r in rows],
+               color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.set(ylabel=ylabel, title=title)
+        ax.tick_params(axis="x", labelsize=8, rotation=20)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        return Path(png)
+    return plot
+
+
+PLOTS = {
+    "psd_vs_sd": plot_psd_vs_sd,
+    "engine_speed": plot_engine_speed,
+    "vs_vllm_cpu": bar_plot(lambda r: f"{r['engine']} {r['mode']} ({r['workload']})", "tokens_per_s", "tokens/s",
+                            "vLLM vs minedraft on the CPU (informational)"),
+    "default_pair_speed_cpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s",
+                                       "default pair: ar / sd / psd (CPU, informational)"),
+    "default_pair_speed_gpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s", "default pair on a GPU"),
+    "transport_overhead_cpu": bar_plot(lambda r: r["transport"], "ray_overhead_ms", "ms per psd step",
+                                       "draft-channel overhead (CPU)"),
+}
 
 
 def main(argv=None) -> int:
