@@ -155,8 +155,10 @@ def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_ll
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30)
     try:
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
-        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:4]], [greedy(200)] * 4)
-        time.sleep(1.0)
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:4]], [greedy(1500)] * 4)
+        deadline = time.time() + 60
+        while llm.info()["steps"] < 3 and time.time() < deadline:   # kill it mid-run, not before or after
+            time.sleep(0.05)
         ray.kill(verifier, no_restart=True)
         with pytest.raises(Exception) as err:
             ray.get(ref, timeout=60)
