@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
+from ..engine.engine import GenerationOutput
 from ..engine.sampling import SamplingParams
 from .manager import BatchManager, StepOutput
 from .placement import create_placement_group
 
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: dict
-    logprobs: list | None = None
+# one output record for the in-process engine and the Ray runtime
+RequestOutput = GenerationOutput
 
 
 @ray.remote
