@@ -31,7 +31,8 @@ def measure(args, transport: str) -> dict:
         return {"transport": transport, "steps": len(hist), "step_ms": statistics.median(h.step_ms for h in hist),
                 "t_draft_ms": statistics.median(h.t_draft_ms for h in hist),
                 "t_verify_ms": statistics.median(h.t_verify_ms for h in hist),
-                "ray_overhead_ms": statistics.median(overhead), "max_batch": args.max_batch, "k": args.k,
+                "ray_overhead_ms": statistics.median(overhead),
+                "manager_host_ms": statistics.median(h.host_ms for h in hist), "max_batch": args.max_batch, "k": args.k,
                 "target": args.target, "draft": args.draft}
     finally:
         llm.shutdown()
@@ -59,12 +60,14 @@ def main():
     for r in rows:
         r.update(git_sha=git_sha(), device=device)
         print(r, flush=True)
-    columns = ["transport", "steps", "step_ms", "t_draft_ms", "t_verify_ms", "ray_overhead_ms", "max_batch", "k",
+    columns = ["transport", "steps", "step_ms", "t_draft_ms", "t_verify_ms", "ray_overhead_ms", "manager_host_ms",
+               "max_batch", "k",
                "target", "draft", "git_sha", "device"]
     name = "transport_overhead" + ("_gpu" if torch.cuda.is_available() else "_cpu")
     write_results(rows, args.out, name, columns, "Draft-channel overhead per psd step",
                   command_line("bench.transport_overhead"), device,
-                  ["ray_overhead_ms = median over steady-state psd steps of step wall time - max(t_draft, t_verify)"])
+                  ["ray_overhead_ms = median over steady-state psd steps of step wall time - max(t_draft, t_verify)",
+                   "manager_host_ms = the part of the step the manager spent in its own Python, not awaiting actors"])
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ class StepRecord:
     t_verify_ms: float = 0.0
     t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
     step_ms: float = 0.0
+    host_ms: float = 0.0             # manager time in the step not spent waiting on actors
     emitted: int = 0
     accepted: int = 0
     draft_tokens: int = 0
@@ -114,6 +115,7 @@ class BatchManager:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._wait_ms = 0.0
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
         self.channel = make_channel(config.transport)
@@ -300,10 +302,13 @@ class BatchManager:
         return await ref
 
     async def _get(self, ref, what: str):
+        t0 = time.perf_counter()
         try:
             return await asyncio.wait_for(self._await(ref), self.config.step_timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{what} took longer than {self.config.step_timeout_s:.0f} s") from None
+        finally:
+            self._wait_ms += (time.perf_counter() - t0) * 1e3
 
     def _regime(self) -> str:
         if self.mode in ("ar", "sd"):
@@ -325,6 +330,7 @@ class BatchManager:
 
     async def _step(self) -> None:
         t0 = time.perf_counter()
+        self._wait_ms = 0.0
         new = self._admit()
         regime = self._regime()
         vn = self.verify_next
@@ -398,6 +404,7 @@ class BatchManager:
         self._rebalance()
         record.sizes = (len(self.batches[0]), len(self.batches[1]))
         record.step_ms = (time.perf_counter() - t0) * 1e3
+        record.host_ms = record.step_ms - self._wait_ms
         self.counters["steps"] += 1
         self.history.append(record)
         for listener in self.step_listeners:
