@@ -430,26 +430,23 @@ class BatchManager:
             raise EngineDeadError(f"the verifier failed during {what}: {e}") from e
 
     # ---- batches -------------------------------------------------------------------------------
+    def _keep(self, r: Request) -> bool:
+        """False for a request that is done; an aborted one is finished here (its slot freed)."""
+        if r.finished:
+            return False
+        if r.aborted:
+            self._finish(r, "abort")
+            return False
+        return True
+
     def _retire(self) -> None:
-        for i, batch in enumerate(self.batches):
-            keep = []
-            for r in batch:
-                if r.finished:
-                    continue
-                if r.aborted:
-                    self._finish(r, "abort")
-                    continue
-                keep.append(r)
-            self.batches[i] = keep
+        self.batches = [[r for r in batch if self._keep(r)] for batch in self.batches]
 
     def _place(self, new: list[Request], drafted_next: int | None) -> None:
         """New requests join the smaller batch; on a tie, the batch drafted next step, so their
         first verify step carries drafts."""
         for r in new:
-            if r.finished:
-                continue
-            if r.aborted:
-                self._finish(r, "abort")
+            if not self._keep(r):
                 continue
             if self.mode != "psd":
                 self.batches[0].append(r)

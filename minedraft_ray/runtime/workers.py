@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..config import EngineConfig
+from ..engine.engine import default_device
 from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner
@@ -23,9 +24,7 @@ log = logging.getLogger("minedraft.runtime")
 
 
 def pick_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    return default_device() if config.device == "auto" else torch.device(config.device)
 
 
 def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | None:
