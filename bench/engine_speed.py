@@ -16,6 +16,7 @@ import gc
 import random
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -99,6 +100,24 @@ def time_engine(runner: ModelRunner, lengths: list[int], q: int, warmup: int, re
     return statistics.median(time_steps(step, device, warmup, reps, desc, before=reset_lengths))
 
 
+def profile_engine(runner: ModelRunner, batch: int, context: int, q: int, path) -> None:
+    """Kernel time table of one model's step (torch.profiler over graph replays), to see where the floor gap is."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lengths = [context] * batch
+    time_engine(runner, lengths, q, warmup=3, reps=3, desc="profile warm-up")  # captures the graph
+    slots, live = torch.arange(batch, device=runner.device), torch.tensor(lengths, device=runner.device)
+    input_ids = torch.randint(runner.cfg.vocab_size, (batch, q), device=runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            runner.cache.lengths[slots] = live
+            runner.step(slots, input_ids)
+        synchronize(runner.device)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    path.write_text(f"B={batch} q={q} context={context}, 10 steps\n\n{table}\n")
+    print(table, flush=True)
+
+
 # ---- transformers -----------------------------------------------------------------------------
 def build_transformers(name: str, device: torch.device):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -146,6 +165,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default="8b,1b")
     p.add_argument("--batches", default="1,16,64,128")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--profile", default=None, metavar="MODEL:B:Q",
+                   help="also write a kernel time table of that step to OUT/engine_profile_MODEL_B_Q.txt")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few repetitions: checks the script")
     args = p.parse_args(argv)
 
@@ -179,6 +200,10 @@ def main(argv=None) -> None:
                        transformers_config=None if args.no_transformers else TRANSFORMERS_CONFIG)
             model_rows.append(row)
             say(markdown_table([row], TABLE_COLUMNS).splitlines()[-1])
+        if args.profile and args.profile.split(":")[0] == name:
+            _, pb, pq = args.profile.split(":")
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            profile_engine(runner, int(pb), context, int(pq), Path(out_dir) / f"engine_profile_{name}_{pb}_{pq}.txt")
         del runner
         release_memory()
 
