@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         summary["results"] = results
         for r in results:
             usage = r["usage"] or {}
-            print(f"request {r['request']}: ttft {r['ttft_s']:.3f} s, latency {r['latency_s']:.2f} s, "
+            ttft = "none" if r["ttft_s"] is None else f"{r['ttft_s']:.3f} s"
+            print(f"request {r['request']}: ttft {ttft}, latency {r['latency_s']:.2f} s, "
                   f"{r['chunks']} chunks, {usage.get('completion_tokens')} tokens, finish={r['finish_reason']}",
                   flush=True)
         tokens = sum((r["usage"] or {}).get("completion_tokens", 0) for r in results)

@@ -64,12 +64,13 @@ def resolve_model(spec: str | os.PathLike | None) -> str | None:
 
 def _tokenizer(folder: Path, vocab_size: int):
     """The tiny byte-level tokenizer, padded with reserved tokens to the model's vocabulary so
-    that every id the model can emit is a token (draft/target checks see equal vocabularies)."""
+    that every id the model can emit is a token (draft/target checks see equal vocabularies).
+    They are plain (not special) tokens, so a random model's output shows up as text in a stream."""
     from ..testing.tiny import build_tokenizer
     tok = build_tokenizer(folder)
     missing = vocab_size - len(tok)
     if missing > 0:
-        tok.add_tokens([f"<|reserved_{i}|>" for i in range(missing)], special_tokens=True)
+        tok.add_tokens([f"<|reserved_{i}|>" for i in range(missing)], special_tokens=False)
         tok.save_pretrained(str(folder))
     return tok
 
