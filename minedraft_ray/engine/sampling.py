@@ -114,6 +114,16 @@ class SamplingBatch:
         sub = [self.host_rows[i] for i in rows]
         return SamplingBatch(*tensors, **_flags(sub), host_rows=sub)
 
+    def assign(self, rows: list[int], other: "SamplingBatch") -> None:
+        """Overwrite rows (host list of indices) with other's rows, in order: a per-slot table kept
+        on a worker is updated when requests start, then `select`ed by slot for every step."""
+        idx = torch.as_tensor(rows, dtype=torch.int64).to(self.temperature.device, non_blocking=True)
+        for mine, theirs in ((self.temperature, other.temperature), (self.top_k, other.top_k),
+                             (self.top_p, other.top_p), (self.seed, other.seed)):
+            mine.index_copy_(0, idx, theirs)
+        for i, row in zip(rows, other.host_rows):
+            self.host_rows[i] = row
+
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature < GREEDY_EPS   # [B] bool

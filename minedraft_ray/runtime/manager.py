@@ -1,12 +1,19 @@
 """The batch manager: owns the requests, the two batches and the step loop.
 
-psd (the paper's batch parallelism): two batches A and B. Each step the verifier verifies one
-batch with the drafts made for it during the previous step, while the drafter drafts the other
-batch from its final tokens; then the roles swap. The manager is a plain asyncio object so it can
-live in a Serve replica (bundle 0 of the replica's placement group) or in an actor (`LLM`).
+psd (the paper's batch parallelism): two batches A and B, each a chain draft -> verify -> commit ->
+draft -> ... The verifier runs its tasks in submission order, so while it verifies A, B's drafts
+are being made and B's verify is already queued behind A's (it takes B's drafts by reference, straight
+from the drafter). The manager commits results in that same order; its host work for one batch
+overlaps the other batch's verify, so it is off the verifier's critical path. The verifier keeps
+each slot's last token, position and sampling settings (workers.SlotState), so a verify message
+is slot ids plus a draft reference.
 
-Other modes share the loop: `ar` (verifier only), `sd` (one actor drafts and verifies),
-`sd_split` (drafter then verifier, chained by an object ref, one manager round trip per step).
+A request is in at most one verify in flight (plus, when new, its prefill ahead of it). A request
+whose state is not committed yet (new, or moved between batches) rides without drafts or waits a
+step. Other modes share the loop with one chain: `ar` (verify only), `sd` (one actor drafts and
+verifies), `sd_split` (draft then verify, chained by an object ref). The manager is a plain asyncio
+object so it can live in a Serve replica (bundle 0 of the replica's placement group) or in an
+actor (`LLM`).
 """
 from __future__ import annotations
 
@@ -72,6 +79,21 @@ class StepRecord:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class _Task:
+    """Verifier work in flight, in the order the verifier runs it."""
+    kind: str                        # prefill | verify | step (sd: draft + verify in one actor)
+    batch: int | None                # the batch whose chain a verify continues (None: prefill)
+    requests: list[Request]
+    ref: object                      # the verifier's result
+    num_drafts: list[int]
+    regime: str = ""
+    draft_ms_ref: object = None      # the drafter's timing result (the drafts go to the verifier by ref)
+    drafted: int = 0
+    admitted: int = 0
+    submitted: float = 0.0
+
+
 def _sampling_row(r: Request) -> tuple:
     p = r.params
     return (p.temperature, p.top_p, p.top_k, r.seed)
@@ -104,8 +126,10 @@ class BatchManager:
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.batches: list[list[Request]] = [[], []]  # psd uses both; other modes only batches[0]
-        self.verify_next = 0
-        self.pending: list[dict | None] = [None, None]  # drafts made for batches[i]: {"ref", "order"}
+        self.busy = [False, False]                     # batch i has a verify in flight
+        self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
+        self._last_commit = 0.0
+        self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
                          "moves": 0, "aborted": 0, "finished": 0}
@@ -189,6 +213,8 @@ class BatchManager:
         r = self.make_request(prompt_ids, params, request_id)
         r.queue = asyncio.Queue()
         r.aborted = False
+        r.inflight = 0          # verifier tasks in flight that hold this request
+        r.prefilling = False
         self.requests[r.id] = r
         self.waiting.append(r)
         self._wake.set()
@@ -219,9 +245,7 @@ class BatchManager:
         if reason and not r.finished:
             r.finish_reason = reason
         r.stats.finished = r.stats.finished or time.perf_counter()
-        if r.slot is not None:
-            self.slots.free(r.slot)
-            r.slot = None
+        self._release(r)
         self.requests.pop(r.id, None)
         self.counters["aborted" if r.finish_reason == "abort" else "finished"] += 1
         stats = r.stats.as_dict()
@@ -235,9 +259,7 @@ class BatchManager:
             emitted += len(toks)
             lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs is not None and toks else None
             if r.finished:
-                if r.slot is not None:
-                    self.slots.free(r.slot)
-                    r.slot = None
+                self._release(r)
                 self.requests.pop(r.id, None)
                 self.counters["finished"] += 1
                 stats = r.stats.as_dict()
@@ -247,10 +269,16 @@ class BatchManager:
                 r.queue.put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
+    def _release(self, r: Request) -> None:
+        """Free a finished request's slot once no verifier task in flight still writes to it."""
+        if r.slot is not None and r.inflight == 0 and r.finished:
+            self.slots.free(r.slot)
+            r.slot = None
+
     async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
         """Benchmarks: change k (and benchmark-only worker options) between workloads, keeping the
         actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
-        if self.waiting or self._num_running():
+        if self.waiting or self._num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
@@ -259,7 +287,6 @@ class BatchManager:
         if bench is not None:
             self.bench = bench
             await self._get(self.verifier.set_bench.remote(bench), "reconfigure")
-        self.pending = [None, None]
 
     def _num_running(self) -> int:
         return len(self.batches[0]) + len(self.batches[1])
@@ -273,12 +300,17 @@ class BatchManager:
     # ---- the step loop -------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            if not self.waiting and not self._num_running():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
             try:
-                await self._step()
+                if self.inflight:
+                    await self._complete(self.inflight[0])
+                elif self.waiting or self._num_running():
+                    self._schedule(None)
+                    if not self.inflight:   # nothing can start (all slots still held): wait for news
+                        self._wake.clear()
+                        await self._wake.wait()
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
             except EngineDeadError as e:
                 self._fail_all(str(e))
                 return
@@ -286,13 +318,14 @@ class BatchManager:
                 log.exception("step failed")
                 self._fail_all(f"engine step failed: {e!r}")
                 return
-            await asyncio.sleep(0)
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason
         log.error("engine is dead: %s", reason)
+        self.inflight.clear()
         # every request still known: waiting, in a batch, or admitted in the step that failed
         for r in list(self.requests.values()):
+            r.inflight = 0
             if not r.finished:
                 self._finish(r, "abort", error=reason)
         self.waiting.clear()
@@ -310,128 +343,149 @@ class BatchManager:
         finally:
             self._wait_ms += (time.perf_counter() - t0) * 1e3
 
-    def _regime(self) -> str:
-        if self.mode in ("ar", "sd"):
-            return self.mode
-        if not self.drafter_alive:
-            return "ar"
-        if self.mode == "psd" and self._num_running() >= self.config.psd_min_requests:
-            return "psd"
-        return "seq"
-
-    def _admit(self) -> list[Request]:
-        new = []
-        while self.waiting and self._num_running() + len(new) < self.config.max_running:
-            r = self.waiting.popleft()
-            r.slot = self.slots.alloc()
-            r.draft_valid = 0  # the drafter catches up on its first round
-            new.append(r)
-        return new
-
-    async def _step(self) -> None:
-        t0 = time.perf_counter()
-        self._wait_ms = 0.0
-        new = self._admit()
-        regime = self._regime()
-        vn = self.verify_next
-        prefill_ref = None
-        if new:
-            prefill_ref = self.verifier.prefill.remote([r.slot for r in new], [r.prompt_ids for r in new],
-                                                       [_sampling_row(r) for r in new],
-                                                       max(r.params.logprobs or 0 for r in new))
-        if regime == "psd":
-            verify_batch, draft_batch = self.batches[vn], self.batches[1 - vn]
-        else:  # one batch holding everyone
-            verify_batch, draft_batch = self.batches[0] + self.batches[1], []
-        record = StepRecord(regime, (0, 0), len(verify_batch), len(draft_batch), admitted=len(new))
-
-        verify_ref, num_drafts, drafts_ok = None, [0] * len(verify_batch), True
-        draft_refs = None
-        if verify_batch:
-            args = self._verify_args(verify_batch)
-            if regime == "sd":
-                verify_ref = self.verifier.step.remote(self._draft_args(verify_batch), self.k, *args)
-                num_drafts = [self.k] * len(verify_batch)
-            elif regime == "seq":
-                draft_refs = self._submit_draft(verify_batch)
-                verify_ref = self.verifier.verify.remote(*args[:4], draft_refs[0], list(range(len(verify_batch))),
-                                                         args[4])
-                num_drafts = [self.k] * len(verify_batch)
-            elif regime == "psd" and self.pending[vn] is not None:
-                order = self.pending[vn]["order"]
-                index = [order.get(r.id, -1) for r in verify_batch]
-                verify_ref = self.verifier.verify.remote(*args[:4], self.pending[vn]["ref"], index, args[4])
-                num_drafts = [self.k if i >= 0 else 0 for i in index]
-            else:  # ar, psd's first step, or a batch whose drafts were dropped
-                verify_ref = self.verifier.verify.remote(*args[:4], None, None, args[4])
-        if regime == "psd" and draft_batch:
-            draft_refs = self._submit_draft(draft_batch)
-        self.pending[vn] = None
-
-        # --- wait: prefill first (it runs first on the verifier), then the step's two halves
-        if prefill_ref is not None:
-            tokens, logprobs, record.t_prefill_ms = await self._verifier_result(prefill_ref, "prefill")
-            self._emit(new, commit_tokens(new, tokens, logprobs, [0] * len(new)))
-        if draft_refs is not None:
-            try:
-                record.t_draft_ms = await self._get(draft_refs[1], "draft")
-            except Exception as e:
-                drafts_ok = False
-                self._drafter_down(e)
-        if verify_ref is not None:
-            if regime == "seq" and not drafts_ok:
-                # the verify task never ran (its drafts failed): verify again without drafts
-                args = self._verify_args(verify_batch)
-                verify_ref = self.verifier.verify.remote(*args[:4], None, None, args[4])
-                num_drafts = [0] * len(verify_batch)
-            result = await self._verifier_result(verify_ref, "verify")
-            if regime == "sd":
-                tokens, logprobs, record.t_draft_ms, record.t_verify_ms = result
-            else:
-                tokens, logprobs, record.t_verify_ms = result
-            kept = commit_tokens(verify_batch, tokens, logprobs, num_drafts)
-            self._emit(verify_batch, kept)
-            record.emitted = sum(len(t) for t in tokens)
-            record.draft_tokens = sum(num_drafts)
-            record.accepted = sum(len(t) - 1 for t, nd in zip(tokens, num_drafts) if nd)
-        if regime == "psd" and draft_batch and drafts_ok:
-            self.pending[1 - vn] = {"ref": draft_refs[0], "order": {r.id: i for i, r in enumerate(draft_batch)}}
-
-        self._retire()
-        self._place(new, vn if regime == "psd" else None)
-        if regime == "psd":
-            self.verify_next = 1 - vn
-        self._rebalance()
-        record.sizes = (len(self.batches[0]), len(self.batches[1]))
-        record.step_ms = (time.perf_counter() - t0) * 1e3
-        record.host_ms = record.step_ms - self._wait_ms
-        self.counters["steps"] += 1
-        self.history.append(record)
-        for listener in self.step_listeners:
-            listener(record)
-
-    def _verify_args(self, batch: list[Request]) -> tuple:
-        return ([r.slot for r in batch], [r.last_token for r in batch], [len(r.output_ids) for r in batch],
-                [_sampling_row(r) for r in batch], max(r.params.logprobs or 0 for r in batch))
-
-    def _draft_args(self, batch: list[Request]) -> list[tuple]:
-        return [(row.slot, row.valid, row.catchup) for row in draft_rows(batch)]
-
-    def _submit_draft(self, batch: list[Request]):
-        """-> (drafts ref, device-ms ref): two returns so the drafts can go to the verifier by ref
-        while the manager only waits on the tiny timing object."""
-        return self.channel.submit(self.drafter, (self._draft_args(batch), self.k, [r.seed for r in batch],
-                                                  [len(r.output_ids) for r in batch]))
-
     async def _verifier_result(self, ref, what: str):
         try:
             return await self._get(ref, what)
         except Exception as e:
             raise EngineDeadError(f"the verifier failed during {what}: {e}") from e
 
+    async def _complete(self, task: _Task) -> None:
+        """Wait for the oldest verifier task, commit it, and (for a verify) continue its batch's chain."""
+        self._wait_ms = 0.0
+        t_draft = 0.0
+        if task.draft_ms_ref is not None:
+            try:
+                t_draft = await self._get(task.draft_ms_ref, "draft")
+            except Exception as e:
+                # the verify never ran (its drafts failed): run it again without drafts
+                self._drafter_down(e)
+                task.ref = self.verifier.verify.remote([r.slot for r in task.requests], None, None,
+                                                       self._num_logprobs(task.requests))
+                task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
+        result = await self._verifier_result(task.ref, task.kind)
+        t_arrived = time.perf_counter()
+        self.inflight.popleft()
+        if task.kind == "prefill":
+            tokens, logprobs, ms = result
+            self._prefill_ms += ms
+            for r in task.requests:
+                r.prefilling = False
+            self._commit(task, tokens, logprobs)
+            return
+        if task.kind == "step":
+            tokens, logprobs, t_draft, t_verify = result
+        else:
+            tokens, logprobs, t_verify = result
+        record = StepRecord(task.regime, (0, 0), len(task.requests), task.drafted, t_draft_ms=t_draft,
+                            t_verify_ms=t_verify, t_prefill_ms=self._prefill_ms, admitted=task.admitted)
+        self._prefill_ms = 0.0
+        record.emitted = sum(len(t) for t in tokens)
+        record.draft_tokens = sum(task.num_drafts)
+        record.accepted = sum(len(t) - 1 for t, nd in zip(tokens, task.num_drafts) if nd)
+        self._commit(task, tokens, logprobs)
+        self.busy[task.batch] = False
+        self._schedule(task.batch)
+        record.sizes = (len(self.batches[0]), len(self.batches[1]))
+        now = time.perf_counter()
+        record.step_ms = (now - max(self._last_commit, task.submitted)) * 1e3
+        record.host_ms = (now - t_arrived) * 1e3
+        self._last_commit = now
+        self.counters["steps"] += 1
+        self.history.append(record)
+        for listener in self.step_listeners:
+            listener(record)
+
+    def _commit(self, task: _Task, tokens: list[list[int]], logprobs) -> None:
+        live, live_tokens, live_logprobs, live_drafts = [], [], [], []
+        for row, (r, toks, nd) in enumerate(zip(task.requests, tokens, task.num_drafts)):
+            r.inflight -= 1
+            if r.finished:       # finished or aborted meanwhile: its extra tokens are dropped
+                self._release(r)
+                continue
+            live.append(r)
+            live_tokens.append(toks)
+            live_logprobs.append(logprobs[row] if logprobs is not None else None)
+            live_drafts.append(nd)
+        if live:
+            kept = commit_tokens(live, live_tokens, live_logprobs if logprobs is not None else None, live_drafts)
+            self._emit(live, kept)
+
+    def _num_logprobs(self, requests: list[Request]) -> int:
+        return max(r.params.logprobs or 0 for r in requests)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def _schedule(self, committed: int | None) -> int:
+        """Membership changes (retire, admit, rebalance) and new verifier work for every batch without
+        a verify in flight. Runs when batch `committed` has just been committed (None: from idle).
+        Returns the number of requests admitted."""
+        self._retire()
+        new = self._admit()
+        if new:
+            for r in new:
+                r.inflight, r.prefilling = 1, True
+            self.inflight.append(_Task(
+                "prefill", None, new, self.verifier.prefill.remote(
+                    [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
+                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter()))
+            self._place(new, committed)
+        self._rebalance(committed)
+        order = [committed, 1 - committed] if committed is not None else [0, 1]
+        for b in order:
+            if not self.busy[b] and self.batches[b]:
+                self._submit_verify(b, len(new) if b == committed else 0)
+        return len(new)
+
+    def _admit(self) -> list[Request]:
+        new = []
+        while (self.waiting and self._num_running() + len(new) < self.config.max_running
+               and self.slots.num_free > 0):
+            r = self.waiting.popleft()
+            r.slot = self.slots.alloc()
+            r.draft_valid = 0  # the drafter catches up on its first round
+            new.append(r)
+        return new
+
+    def _regime(self, b: int) -> str:
+        if self.mode in ("ar", "sd"):
+            return self.mode
+        if not self.drafter_alive:
+            return "ar"
+        return "psd" if self.mode == "psd" and self.batches[1 - b] else "seq"
+
+    def _submit_verify(self, b: int, admitted: int) -> None:
+        # a request rides when its state is committed (then it may be drafted) or only its prefill is ahead
+        rows = [r for r in self.batches[b] if r.inflight == 0 or (r.inflight == 1 and r.prefilling)]
+        if not rows:
+            return   # every member is still in flight in the other batch (moved): next commit
+        regime = self._regime(b)
+        drafted = [r for r in rows if r.inflight == 0] if regime != "ar" else []
+        order = {id(r): i for i, r in enumerate(drafted)}
+        index = [order.get(id(r), -1) for r in rows]
+        num_drafts = [self.k if i >= 0 else 0 for i in index]
+        slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
+        task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
+                     submitted=time.perf_counter())
+        if regime == "sd":
+            task.kind = "step"
+            task.ref = self.verifier.step.remote(*self._draft_args(drafted), slots, index, nlp)
+        elif drafted:
+            drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
+            task.ref = self.verifier.verify.remote(slots, drafts_ref, index, nlp)
+        else:
+            task.ref = self.verifier.verify.remote(slots, None, None, nlp)
+        for r in rows:
+            r.inflight += 1
+        self.busy[b] = True
+        self.inflight.append(task)
+
+    def _draft_args(self, batch: list[Request]) -> tuple:
+        """(rows (slot, valid, catchup), k, seeds, output positions of the first drafts)."""
+        rows = [(row.slot, row.valid, row.catchup) for row in draft_rows(batch)]
+        return rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
+
     # ---- batches -------------------------------------------------------------------------------
     def _keep(self, r: Request) -> bool:
-        """False for a request that is done; an aborted one is finished here (its slot freed)."""
+        """False for a request that is done; an aborted one is finished here (its slot freed once idle)."""
         if r.finished:
             return False
         if r.aborted:
@@ -442,12 +496,10 @@ class BatchManager:
     def _retire(self) -> None:
         self.batches = [[r for r in batch if self._keep(r)] for batch in self.batches]
 
-    def _place(self, new: list[Request], drafted_next: int | None) -> None:
-        """New requests join the smaller batch; on a tie, the batch drafted next step, so their
-        first verify step carries drafts."""
+    def _place(self, new: list[Request], committed: int | None) -> None:
+        """New requests join the smaller batch; on a tie, the batch committed now (its next verify is
+        submitted first). Below psd_min_requests, `_rebalance` gathers everyone in one batch."""
         for r in new:
-            if not self._keep(r):
-                continue
             if self.mode != "psd":
                 self.batches[0].append(r)
                 continue
@@ -455,21 +507,30 @@ class BatchManager:
             if a != b:
                 self.batches[0 if a < b else 1].append(r)
             else:
-                self.batches[drafted_next if drafted_next is not None else 0].append(r)
+                self.batches[committed if committed is not None else 0].append(r)
 
-    def _rebalance(self) -> None:
-        """Keep | |A| - |B| | <= 1: move a request to the smaller batch, dropping its pending drafts
-        (it then gets one target-only token, or is drafted next step)."""
+    def _rebalance(self, committed: int | None) -> None:
+        """psd: keep | |A| - |B| | <= 1 by moving requests to the smaller batch, preferring requests
+        with nothing in flight (a request moved out of a verify in flight skips a step). Below
+        psd_min_requests everyone goes to one batch: a sequential chain (psd would move each request
+        only every other step)."""
         if self.mode != "psd":
+            return
+        total = self._num_running()
+        if total < self.config.psd_min_requests:
+            keep = 0 if len(self.batches[0]) >= len(self.batches[1]) else 1
+            if self.batches[1 - keep]:
+                self.counters["moves"] += len(self.batches[1 - keep])
+                self.batches[keep] += self.batches[1 - keep]
+                self.batches[1 - keep] = []
             return
         while abs(len(self.batches[0]) - len(self.batches[1])) > 1:
             big = 0 if len(self.batches[0]) > len(self.batches[1]) else 1
-            r = self.batches[big].pop()
-            if self.pending[big] is not None:
-                self.pending[big]["order"].pop(r.id, None)
+            batch = self.batches[big]
+            idle = [i for i, r in enumerate(batch) if r.inflight == 0]
+            r = batch.pop(idle[-1] if idle else -1)
             self.batches[1 - big].append(r)
             self.counters["moves"] += 1
-        total = self._num_running()
         if total >= 2 and abs(len(self.batches[0]) - len(self.batches[1])) > 1:
             self.counters["balance_violations"] += 1
 
@@ -478,7 +539,6 @@ class BatchManager:
         if not self.drafter_alive:
             return
         self.drafter_alive = False
-        self.pending = [None, None]
         self.counters["drafter_failures"] += 1
         log.warning("drafter failed (%s); serving in ar mode while it restarts", error)
         if self._restart_task is None or self._restart_task.done():

@@ -96,6 +96,30 @@ def _gpu_ids():
         return []
 
 
+class SlotState:
+    """What the verifier keeps per slot between steps, on its device: the last token (the next step's
+    input), the output position (the noise key of the next token) and the sampling settings. A verify
+    message is then just slot ids plus a draft reference, and steps queued behind each other on the
+    actor see each other's results without a round trip through the manager."""
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=device)   # [S]
+        self.position = torch.zeros(num_slots, dtype=torch.int64, device=device)     # [S]
+        self.sampling = SamplingBatch.build([SamplingParams(temperature=0.0)] * num_slots, device,
+                                            seeds=[0] * num_slots)                    # [S] rows
+
+    def start(self, slots: list[int], slot_t: torch.Tensor, batch: SamplingBatch, first: torch.Tensor) -> None:
+        # first [B]: each request's first token (output position 0)
+        self.sampling.assign(slots, batch)
+        self.last_token[slot_t] = first
+        self.position[slot_t] = 1
+
+    def advance(self, slot_t: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
+        # tokens [B, k+1] (-1 past the emitted ones), num_emitted [B] >= 1
+        self.last_token[slot_t] = tokens.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
+        self.position[slot_t] += num_emitted
+
+
 class VerifierWorker(_Worker):
     """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
     verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
@@ -103,6 +127,7 @@ class VerifierWorker(_Worker):
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         self.verifier = Verifier(self._runner(self.target_dir), self.bench.get("synthetic_acceptance"))
+        self.state = SlotState(num_slots, self.device)
 
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
@@ -110,22 +135,28 @@ class VerifierWorker(_Worker):
         self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
     def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
+        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
         with StepTimer(self.device) as timer:
-            result = self.verifier.prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
+            batch = sampling_batch(sampling, self.device)
+            result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.state.start(slots, slot_t, batch, result.tokens[:, 0])
             tokens, logprobs = result.to_host()
         return tokens, logprobs, timer.ms
 
-    def verify(self, slots: list[int], last_tokens: list[int], positions: list[int], sampling: list[tuple],
-               drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
-        """drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b]
-        is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
+    def verify(self, slots: list[int], drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
+        """One verify step for slots (their last tokens and positions are in the slot state).
+
+        drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
+        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
         with StepTimer(self.device) as timer:
-            host = torch.tensor([slots, last_tokens, positions], dtype=torch.int64).to(self.device, non_blocking=True)
-            slot_t, last_t, pos_t = host
-            batch = sampling_batch(sampling, self.device)
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
+            batch = self.state.sampling.select(slots)
             draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
             result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
                                           num_logprobs)
+            self.state.advance(slot_t, result.tokens, result.num_emitted)
             tokens, logprobs = result.to_host()
         return tokens, logprobs, timer.ms
 
@@ -167,12 +198,15 @@ class SpecWorker(VerifierWorker):
         super().__init__(config, num_slots, bench)
         self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
 
-    def step(self, draft_rows: list[tuple], k: int, slots, last_tokens, positions, sampling, num_logprobs):
-        with StepTimer(self.device) as draft_timer:
-            pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-            ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, [s[-1] for s in sampling], pos_t)
-        t_draft = draft_timer.ms
-        tokens, logprobs, t_verify = self.verify(slots, last_tokens, positions, sampling,
-                                                 {"ids": ids, "probs": probs}, list(range(len(slots))),
-                                                 num_logprobs)
-        return tokens, logprobs, t_draft, t_verify
+    def step(self, draft_rows: list[tuple], k: int, seeds: list[int], positions: list[int], slots: list[int],
+             draft_index: list[int], num_logprobs: int):
+        """Draft the rows in draft_rows (slot, valid, catchup), then verify all slots; draft_index as in verify."""
+        drafts, draft_timer = None, None
+        if draft_rows:
+            with StepTimer(self.device) as draft_timer:
+                pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+                ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, seeds, pos_t)
+            drafts = {"ids": ids, "probs": probs}
+        tokens, logprobs, t_verify = self.verify(slots, drafts, draft_index, num_logprobs)
+        # read the draft timer only now: reading it syncs, which would stall the verify launch
+        return tokens, logprobs, draft_timer.ms if draft_timer else 0.0, t_verify
