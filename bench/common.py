@@ -46,9 +46,10 @@ def versions() -> str:
     return f"torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}"
 
 
-def progress(iterable, desc: str, total: int | None = None):
-    # stderr, throttled: the GPU machine returns only the tail of the output
-    return tqdm(iterable, desc=desc, total=total, mininterval=2.0, leave=False, file=sys.stderr)
+def progress(iterable, desc: str | None, total: int | None = None):
+    # stderr, throttled: the GPU machine returns only the tail of the output. desc None: no bar at all
+    return tqdm(iterable, desc=desc, total=total, mininterval=2.0, leave=False, file=sys.stderr,
+                disable=desc is None)
 
 
 def say(text: str) -> None:
@@ -62,7 +63,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Callable[[], object], device: torch.device, warmup: int, reps: int, desc: str,
+def time_steps(step: Callable[[], object], device: torch.device, warmup: int, reps: int, desc: str | None,
                before: Callable[[], object] | None = None) -> list[float]:
     """Milliseconds of each of `reps` calls of `step` after `warmup` untimed ones.
 

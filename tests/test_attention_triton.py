@@ -1,9 +1,10 @@
-"""attend_triton against a plain torch reference.
+"""attend_triton and rope_write_kv (rope_kv_triton.py) against plain torch references.
 
 Without a GPU the kernels run in Triton's interpreter, which must be switched on before triton is
 first imported (@triton.jit and triton.language's own helpers read TRITON_INTERPRET then). If an
 earlier test module already imported triton compiled, the CPU tests rerun this file in a fresh process.
 K/V rows past each slot's live length are NaN, so a kernel that reads them fails the comparison.
+rope_write_kv must match the model's torch path (rope_qk + write_kv) bit for bit.
 """
 import os
 import subprocess
@@ -128,6 +129,19 @@ def test_launch_shape_fills_sms_and_stays_in_slot(qlen):
     assert splits <= triton.cdiv(40, block_n) and block_m >= 4 * qlen
 
 
+def test_launch_config_from_env(monkeypatch):
+    from minedraft_ray.engine.attention_triton import LaunchConfig, config_from_env, launch_shape
+
+    monkeypatch.setenv("MINEDRAFT_ATTN_CONFIG", '{"BLOCK_N": 128, "num_stages": 3, "TARGET_WAVES": 8}')
+    config = config_from_env()
+    assert config == LaunchConfig(BLOCK_N=128, num_stages=3, TARGET_WAVES=8)
+    # 8B decode at batch 64: 512 stage-1 programs, 8 waves of 132 SMs -> 3 splits
+    assert launch_shape(64, 1, 32, 8, 4106, 128, torch.device("cpu"), config) == (16, 128, 3)
+    monkeypatch.setenv("MINEDRAFT_ATTN_CONFIG", '{"BLOCK_K": 64}')
+    with pytest.raises(TypeError):
+        config_from_env()
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -161,3 +175,113 @@ def test_cuda_graph_replay_follows_positions():
     graph.replay()
     ref = reference_attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), slots.cpu(), positions.cpu(), 0.125)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
+
+
+# ---- RoPE + K/V write ------------------------------------------------------------------------------------
+@pytest.fixture
+def rope_write_kv_cpu(monkeypatch):
+    # The interpreter casts fp32 -> bf16 by truncation; the GPU (and torch) round to nearest even
+    from triton.runtime import interpreter
+
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rne(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(bits.view(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", cast_rne)
+    from minedraft_ray.engine.rope_kv_triton import rope_write_kv
+
+    return rope_write_kv
+
+
+def make_rope_case(qlen, head_dim, dtype, kv_heads=2, groups=4, device="cpu"):
+    """q/k/v as strided views of one fused qkv output (as in Attention.forward), slots out of order."""
+    torch.manual_seed(0)
+    slots = torch.tensor([5, 0, 3], device=device)
+    N, Hq = len(slots) * qlen, kv_heads * groups
+    qkv = torch.randn(N, (Hq + 2 * kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([Hq * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.reshape(N, -1, head_dim) for t in (q, k, v))  # views: row stride = the fused width
+    rope = torch.randn(64, head_dim, dtype=torch.float32, device=device)  # any table: positions index it
+    k_cache = torch.randn(6, 40, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    positions = torch.tensor([7, 0, 40 - qlen], device=device)[:, None] + torch.arange(qlen, device=device)
+    return q, k, v, rope, k_cache, v_cache, slots, positions
+
+
+def reference_rope_write_kv(q, k, v, rope, k_cache, v_cache, slots, positions):
+    """The model's torch path on CPU copies: (rotated q, k_cache, v_cache)."""
+    from minedraft_ray.engine import model
+
+    q, k, v, rope, k_cache, v_cache, slots, positions = (t.cpu().clone() for t in (
+        q, k, v, rope, k_cache, v_cache, slots, positions))
+    return model.rope_write_kv(q, k, v, rope, k_cache, v_cache, slots, positions), k_cache, v_cache
+
+
+def check_rope_write_kv(kernel, case):
+    q, k, v, rope, k_cache, v_cache, slots, positions = case
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    want_q, want_k, want_v = reference_rope_write_kv(*case)
+    got_q = kernel(*case)
+    assert got_q.shape == q.shape and got_q.dtype == q.dtype
+    assert torch.equal(got_q.cpu(), want_q)
+    assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    written[slots[:, None].expand_as(positions), positions] = True
+    assert written.sum() == positions.numel()  # the reference wrote these rows and no others
+    assert torch.equal(k_cache[~written], before_k[~written]) and torch.equal(v_cache[~written], before_v[~written])
+    assert not torch.equal(k_cache[written], before_k[written])
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qlen", [1, 5])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_write_kv_matches_torch_path(rope_write_kv_cpu, qlen, head_dim, dtype):
+    check_rope_write_kv(rope_write_kv_cpu, make_rope_case(qlen, head_dim, dtype))
+
+
+@interpreter_only
+def test_rope_write_kv_contiguous_inputs_and_no_gqa(rope_write_kv_cpu):
+    # Qwen3 normalises q and k first (contiguous copies); Hq == Hkv exercises a 1-row query tile
+    q, k, v, *rest = make_rope_case(qlen=2, head_dim=64, dtype=torch.bfloat16, groups=1)
+    check_rope_write_kv(rope_write_kv_cpu, (q.contiguous(), k.contiguous(), v.contiguous(), *rest))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qlen", [1, 5])
+def test_cuda_rope_write_kv_matches_torch_path(qlen, dtype):
+    from minedraft_ray.engine.rope_kv_triton import rope_write_kv
+
+    check_rope_write_kv(rope_write_kv, make_rope_case(qlen, 128, dtype, kv_heads=8, device="cuda"))
+
+
+@cuda
+def test_cuda_model_step_with_and_without_rope_kernel(monkeypatch):
+    # Qwen3 shape (q/k norms before RoPE, GQA): the fused kernel against the compiled torch path, in the model
+    from minedraft_ray.engine import model as model_mod
+
+    cfg = model_mod.ModelConfig(arch="qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
+                                num_heads=8, num_kv_heads=2, head_dim=16, qk_norm=True, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_mod.Transformer(cfg).eval()
+    ids, slots = torch.randint(0, 64, (3, 5), device="cuda"), torch.tensor([2, 0, 3], device="cuda")
+
+    def run():
+        cache = model.make_cache(4, 32)
+        cache.lengths[slots] = torch.tensor([0, 9, 20], device="cuda")
+        with torch.inference_mode():
+            return model(ids, cache, slots), cache
+
+    fused, fused_cache = run()
+    triton_op = model_mod.triton_op
+    monkeypatch.setattr(model_mod, "triton_op", lambda *name: None if name[0] == "rope_kv_triton" else triton_op(*name))
+    torch_path, torch_cache = run()
+    torch.testing.assert_close(fused, torch_path, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fused_cache.k + fused_cache.v, torch_cache.k + torch_cache.v):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

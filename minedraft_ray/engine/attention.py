@@ -2,15 +2,25 @@
 
 `attend` dispatches to the Triton kernel (attention_triton.py) for CUDA tensors when it imports, and to
 the torch reference below otherwise. The reference reads only the live prefix of each slot, which
-needs one host sync (`positions.max()`), so it is not for CUDA graph capture.
+needs one host sync (`positions.max()`), so it is not for CUDA graph capture. `triton_op` also serves
+model.rope_write_kv (RoPE + this K/V write in one kernel, rope_kv_triton.py).
 """
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
 
-_NOT_LOADED = object()
-_triton_attend = _NOT_LOADED  # resolved on the first CUDA call; None when Triton is unavailable
+
+@functools.cache
+def triton_op(module: str, name: str):
+    """`name` from this package's Triton module `module`, imported on first use; None without Triton."""
+    try:
+        return getattr(importlib.import_module(f".{module}", __package__), name)
+    except ImportError:
+        return None
 
 
 def write_kv(k_cache, v_cache, slots, positions, k, v) -> None:
@@ -32,21 +42,10 @@ def attend_reference(q, k_cache, v_cache, slots, positions, scale) -> torch.Tens
     return out.transpose(1, 2)
 
 
-def _load_triton():
-    global _triton_attend
-    if _triton_attend is _NOT_LOADED:
-        try:
-            from .attention_triton import attend_triton
-        except ImportError:
-            attend_triton = None
-        _triton_attend = attend_triton
-    return _triton_attend
-
-
 def attend(q, k_cache, v_cache, slots, positions, scale) -> torch.Tensor:
     # q: [B, q, Hq, D]; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q] -> [B, q, Hq, D]
     if q.is_cuda:
-        kernel = _load_triton()
+        kernel = triton_op("attention_triton", "attend_triton")
         if kernel is not None:
             return kernel(q, k_cache, v_cache, slots, positions, scale)
     return attend_reference(q, k_cache, v_cache, slots, positions, scale)

@@ -7,20 +7,41 @@ an fp32 online softmax over its share of the row's live keys. The live length is
 preallocated rows past it and splits with nothing to do exit at once. Stage 2 merges the splits by
 log-sum-exp. When one split is enough to fill the GPU, stage 1 writes the output directly.
 
-The grid depends only on shapes (B, qlen, heads, R), never on tensor values.
+The grid depends only on shapes (B, qlen, heads, R), never on tensor values. Tile and launch choices
+live in one LaunchConfig (CONFIG), which MINEDRAFT_ATTN_CONFIG='{"BLOCK_N": 128, ...}' overrides at import;
+bench/attention_sweep.py times alternatives.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-TARGET_WAVES = 2  # stage-1 programs per SM we aim for when choosing the number of splits
-MAX_SPLITS = 64
 DEFAULT_SMS = 132  # H200; used when the tensors are not on a CUDA device (the interpreter)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Tile and launch choices of attend_triton; the defaults are the original hand-picked ones."""
+    BLOCK_N: int = 64  # keys per tile; halved for head_dim > 128 so the K/V tiles stay in shared memory
+    num_warps: int = 0  # 0: 8 when a program's query tile is 64 x 128 or larger, else 4
+    num_stages: int = 2  # software-pipeline depth of the K/V tile loads
+    TARGET_WAVES: int = 2  # stage-1 programs per SM we aim for when choosing the number of splits
+    MAX_SPLITS: int = 64
+
+
+def config_from_env() -> LaunchConfig:
+    """LaunchConfig with the fields given as JSON in MINEDRAFT_ATTN_CONFIG (unknown names raise)."""
+    return LaunchConfig(**json.loads(os.environ.get("MINEDRAFT_ATTN_CONFIG") or "{}"))
+
+
+CONFIG = config_from_env()
 
 
 @triton.jit
@@ -119,24 +140,26 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_shape(batch: int, qlen: int, q_heads: int, kv_heads: int, rows: int, head_dim: int,
-                 device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, splits) for these shapes; depends on nothing but shapes and the device."""
+                 device: torch.device, config: LaunchConfig | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, splits) for these shapes; depends on nothing but shapes, device and config."""
+    config = config or CONFIG
     block_m = min(64, max(16, triton.next_power_of_2(qlen * q_heads // kv_heads)))  # tl.dot needs >= 16 rows
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = config.BLOCK_N if head_dim <= 128 else config.BLOCK_N // 2
     programs = batch * kv_heads * triton.cdiv(qlen * q_heads // kv_heads, block_m)
     # enough programs to fill the SMs when the batch is small; never more splits than key blocks in a slot
-    splits = min(triton.cdiv(TARGET_WAVES * _num_sms(device), programs), triton.cdiv(rows, block_n), MAX_SPLITS)
+    splits = min(triton.cdiv(config.TARGET_WAVES * _num_sms(device), programs), triton.cdiv(rows, block_n),
+                 config.MAX_SPLITS)
     return block_m, block_n, max(1, splits)
 
 
 def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   positions: torch.Tensor, scale: float, *, num_splits: int | None = None,
-                  block_n: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
     """Query (b, i) attends keys 0..positions[b, i] (inclusive) of slot slots[b].
 
     q: [B, qlen, Hq, D] (last dim contiguous); k_cache, v_cache: [S, R, Hkv, D]; slots: [B] int64;
-    positions: [B, qlen] int64. Returns [B, qlen, Hq, D] in q's dtype. `num_splits`/`block_n`
-    override the heuristics (tests use them to cover both paths on tiny shapes).
+    positions: [B, qlen] int64. Returns [B, qlen, Hq, D] in q's dtype. `config` replaces CONFIG;
+    `num_splits`/`block_n` override it (tests use them to cover both paths on tiny shapes).
     """
     B, qlen, Hq, D = q.shape
     _, R, Hkv, _ = k_cache.shape
@@ -148,7 +171,8 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if B == 0 or qlen == 0:
         return out
 
-    block_m, default_block_n, default_splits = launch_shape(B, qlen, Hq, Hkv, R, D, q.device)
+    config = config or CONFIG
+    block_m, default_block_n, default_splits = launch_shape(B, qlen, Hq, Hkv, R, D, q.device, config)
     block_n = block_n or default_block_n
     num_splits = num_splits or default_splits
     direct = num_splits == 1
@@ -159,7 +183,7 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         lse = torch.empty((B, qlen, Hq, num_splits), dtype=torch.float32, device=q.device)
 
     block_d = triton.next_power_of_2(D)
-    big_tiles = block_m * block_d >= 64 * 128
+    num_warps = config.num_warps or (8 if block_m * block_d >= 64 * 128 else 4)
     _attend_split_kernel[(B, Hkv * triton.cdiv(qlen * G, block_m), num_splits)](
         q, k_cache, v_cache, slots, positions, out, o_part, lse,
         scale * LOG2E, R, qlen, num_splits,
@@ -169,7 +193,7 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         positions.stride(0),
         G=G, HQ=Hq, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if big_tiles else 4, num_stages=2,
+        num_warps=num_warps, num_stages=config.num_stages,
     )
     if not direct:
         _combine_kernel[(B * qlen * Hq,)](

@@ -1,7 +1,7 @@
 """A lean decoder for Llama / Qwen2 / Qwen3 / Mistral checkpoints over the slot KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each (loader.py fills the slices); RoPE cos/sin
-are precomputed once in fp32 and gathered by position, so a forward step has no host sync and no
+are precomputed once in fp32 and read by position, so a forward step has no host sync and no
 per-row Python, and one CUDA graph per (batch, q) shape serves every step.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend, write_kv
+from .attention import attend, triton_op, write_kv
 from .kv_cache import HEADROOM, KVCache
 
 ARCHITECTURES = {
@@ -160,8 +160,9 @@ def rope_cos_sin(cfg: ModelConfig, device=None) -> torch.Tensor:
 
 # Elementwise helpers. On CUDA each one runs as one or two fused Triton kernels (torch.compile): a small-batch
 # step is otherwise launch bound (~10 tiny kernels per RMSNorm or RoPE; this halves a 1B model's decode step).
-# CPU runs the very same functions eagerly. Callers pass flattened tokens ([N, ...], fixed rank) so that
-# dynamic shapes cover every batch size with at most a second compile for N == 1.
+# CPU runs the very same functions eagerly (FUSE_ON_CUDA = False: CUDA too, and no rope_kv_triton kernel).
+# Callers pass flattened tokens ([N, ...], fixed rank) so that dynamic shapes cover every batch size with at
+# most a second compile for N == 1.
 FUSE_ON_CUDA = True
 
 
@@ -208,6 +209,22 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def rope_write_kv(q, k, v, rope_cache, k_cache, v_cache, slots, positions) -> torch.Tensor:
+    """RoPE on q and k at their positions, k and v into the cache; returns rotated q [N, Hq, D].
+
+    q: [N, Hq, D], k, v: [N, Hkv, D] (N = B*q, last dim contiguous); rope_cache: [P, D] fp32 (cos | sin);
+    k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]. On CUDA one Triton kernel does it all
+    (rope_kv_triton.py; the same bits as the torch path below run eagerly, which CPU does and tests compare to).
+    """
+    if q.is_cuda and FUSE_ON_CUDA and (kernel := triton_op("rope_kv_triton", "rope_write_kv")) is not None:
+        return kernel(q, k, v, rope_cache, k_cache, v_cache, slots, positions)
+    B, T = positions.shape
+    cos, sin = rope_cache[positions.flatten()].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
+    q, k = rope_qk(q, k, cos, sin)
+    write_kv(k_cache, v_cache, slots, positions, k.view(B, T, *k.shape[1:]), v.reshape(B, T, *v.shape[1:]))
+    return q
+
+
 @_fused_on_cuda
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [N, 2I] -> [N, I]
@@ -245,17 +262,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, slots, positions):
-        # x: [N = B*q, H]; cos, sin: [N, 1, D/2]; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
+    def forward(self, x, rope_cache, k_cache, v_cache, slots, positions):
+        # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
         B, T = positions.shape
         N, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # per-head norm, rows = (token, head)
             q = self.q_norm(q.reshape(-1, D))
             k = self.k_norm(k.reshape(-1, D))
-        q, k = rope_qk(q.reshape(N, self.num_heads, D), k.reshape(N, self.num_kv_heads, D), cos, sin)
-        write_kv(k_cache, v_cache, slots, positions, k.view(B, T, self.num_kv_heads, D),
-                 v.reshape(B, T, self.num_kv_heads, D))
+        q = rope_write_kv(q.reshape(N, self.num_heads, D), k.reshape(N, self.num_kv_heads, D),
+                          v.reshape(N, self.num_kv_heads, D), rope_cache, k_cache, v_cache, slots, positions)
         out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
         return self.o_proj(out.reshape(N, self.q_size))
 
@@ -278,10 +294,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, k_cache, v_cache, slots, positions):
+    def forward(self, x, residual, rope_cache, k_cache, v_cache, slots, positions):
         # x: [N, H] this layer's input delta; residual: [N, H] the stream before it (None at layer 0)
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, k_cache, v_cache, slots, positions)
+        x = self.self_attn(x, rope_cache, k_cache, v_cache, slots, positions)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -305,10 +321,9 @@ class Transformer(nn.Module):
         # input_ids: [B, q] int64; slots: [B] int64 -> hidden [B, q, H]
         B, T = input_ids.shape
         positions = cache.lengths[slots][:, None] + torch.arange(T, device=input_ids.device)  # [B, q]
-        cos, sin = self.rope_cache[positions.flatten()].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
         x, residual = self.embed_tokens(input_ids.flatten()), None  # tokens flattened: [N = B*q, H]
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, cache.k[i], cache.v[i], slots, positions)
+            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], slots, positions)
         x, _ = self.norm(x, residual)
         return x.view(B, T, -1)
 
