@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,8 @@ def rope_cos_sin(cfg: ModelConfig, device=None) -> torch.Tensor:
 # Callers pass flattened tokens ([N, ...], fixed rank) so that dynamic shapes cover every batch size with at
 # most a second compile for N == 1.
 FUSE_ON_CUDA = True
+# MINEDRAFT_ROPE_KV_KERNEL=0 keeps the fused elementwise ops but writes K/V through the torch path
+ROPE_KV_KERNEL = os.environ.get("MINEDRAFT_ROPE_KV_KERNEL", "1") != "0"
 
 
 def _fused_on_cuda(fn):
@@ -216,7 +219,7 @@ def rope_write_kv(q, k, v, rope_cache, k_cache, v_cache, slots, positions) -> to
     k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]. On CUDA one Triton kernel does it all
     (rope_kv_triton.py; the same bits as the torch path below run eagerly, which CPU does and tests compare to).
     """
-    if q.is_cuda and FUSE_ON_CUDA and (kernel := triton_op("rope_kv_triton", "rope_write_kv")) is not None:
+    if q.is_cuda and FUSE_ON_CUDA and ROPE_KV_KERNEL and (kernel := triton_op("rope_kv_triton", "rope_write_kv")) is not None:
         return kernel(q, k, v, rope_cache, k_cache, v_cache, slots, positions)
     B, T = positions.shape
     cos, sin = rope_cache[positions.flatten()].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
