@@ -80,9 +80,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # thread_local: another thread of this process (an actor waiting on an earlier step's event) may
-        # call CUDA while this thread captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool):
             bufs["logits"] = self._forward(bufs["input_ids"], bufs["slots"])
         return graph, bufs
 

@@ -92,7 +92,6 @@ class _Task:
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
-    seq: int = -1                    # launch order on the verifier (a resubmitted task keeps its number)
 
 
 def _sampling_row(r: Request) -> tuple:
@@ -130,7 +129,6 @@ class BatchManager:
         self.busy = [False, False]                     # batch i has a verify in flight
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_commit = 0.0
-        self._seq = -1                                 # verifier task numbers (launch order)
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
@@ -359,14 +357,9 @@ class BatchManager:
             try:
                 t_draft = await self._get(task.draft_ms_ref, "draft")
             except Exception as e:
-                # the verify never ran (its drafts failed or hang): run it again without drafts, in
-                # the same launch turn
+                # the verify never ran (its drafts failed): run it again without drafts
                 self._drafter_down(e)
-                try:
-                    ray.cancel(task.ref)
-                except Exception:
-                    pass
-                task.ref = self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
+                task.ref = self.verifier.verify.remote([r.slot for r in task.requests], None, None,
                                                        self._num_logprobs(task.requests))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
         result = await self._verifier_result(task.ref, task.kind)
@@ -417,10 +410,6 @@ class BatchManager:
             kept = commit_tokens(live, live_tokens, live_logprobs if logprobs is not None else None, live_drafts)
             self._emit(live, kept)
 
-    def _take_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
     def _num_logprobs(self, requests: list[Request]) -> int:
         return max(r.params.logprobs or 0 for r in requests)
 
@@ -434,11 +423,10 @@ class BatchManager:
         if new:
             for r in new:
                 r.inflight, r.prefilling = 1, True
-            prefill_ref = self.verifier.prefill.remote(self._take_seq(), [r.slot for r in new],
-                                                       [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
-                                                       self._num_logprobs(new))
-            self.inflight.append(_Task("prefill", None, new, prefill_ref, [0] * len(new),
-                                       submitted=time.perf_counter()))
+            self.inflight.append(_Task(
+                "prefill", None, new, self.verifier.prefill.remote(
+                    [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
+                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter()))
             self._place(new, committed)
         self._rebalance(committed)
         order = [committed, 1 - committed] if committed is not None else [0, 1]
@@ -476,15 +464,15 @@ class BatchManager:
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter(), seq=self._take_seq())
+                     submitted=time.perf_counter())
         if regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(task.seq, *self._draft_args(drafted), slots, index, nlp)
+            task.ref = self.verifier.step.remote(*self._draft_args(drafted), slots, index, nlp)
         elif drafted:
             drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, drafts_ref, index, nlp)
+            task.ref = self.verifier.verify.remote(slots, drafts_ref, index, nlp)
         else:
-            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
+            task.ref = self.verifier.verify.remote(slots, None, None, nlp)
         for r in rows:
             r.inflight += 1
         self.busy[b] = True

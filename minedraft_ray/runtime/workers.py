@@ -6,8 +6,6 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -20,7 +18,7 @@ from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingBatch, SamplingParams
-from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
+from ..engine.spec import Drafter, DraftRow, Verifier
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -124,72 +122,33 @@ class SlotState:
 
 class VerifierWorker(_Worker):
     """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
-    verifiers would replace this actor behind the same three methods (prefill, verify, ready).
-
-    An async actor that keeps the device fed: tasks carry a sequence number from the manager and
-    launch their kernels strictly in that order, but a task gives the next one its turn as soon as its
-    kernels and result copies are queued, then waits for them off the event loop. The next verify's
-    host work (argument decoding, index building, launches) thus overlaps this one's device time
-    instead of following it (Ray does not order an async actor's tasks by itself)."""
+    verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         self.verifier = Verifier(self._runner(self.target_dir), self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
-        self._next_seq = 0
-        self._turns: dict[int, asyncio.Future] = {}
 
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
         self.bench = bench or {}
         self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, seq: int):
-        """Hold the launch turn of task `seq` (the manager numbers verifier tasks 0, 1, 2, ...)."""
-        if seq < self._next_seq:   # a task the manager gave up on and resubmitted
-            raise RuntimeError(f"verifier task {seq} arrived after its turn")
-        if seq != self._next_seq:
-            turn = self._turns.setdefault(seq, asyncio.get_running_loop().create_future())
-            await turn
-        try:
-            yield
-        finally:
-            self._next_seq = seq + 1
-            self._turns.pop(seq, None)
-            following = self._turns.get(self._next_seq)
-            if following is not None and not following.done():
-                following.set_result(None)
-
-    async def _finish(self, host: VerifyResult, timer: StepTimer):
-        if timer.cuda:   # wait off the event loop, so the next task can launch meanwhile
-            await asyncio.to_thread(timer.end.synchronize)
-        tokens, logprobs = host.to_host()
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
+        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
+        with StepTimer(self.device) as timer:
+            batch = sampling_batch(sampling, self.device)
+            result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.state.start(slots, slot_t, batch, result.tokens[:, 0])
+            tokens, logprobs = result.to_host()
         return tokens, logprobs, timer.ms
 
-    async def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[tuple],
-                      num_logprobs: int):
-        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
-        async with self._turn(seq):
-            with StepTimer(self.device) as timer:
-                batch = sampling_batch(sampling, self.device)
-                result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
-                slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-                self.state.start(slots, slot_t, batch, result.tokens[:, 0])
-                host = result.copy_to_host()
-        return await self._finish(host, timer)
-
-    async def verify(self, seq: int, slots: list[int], drafts: dict | None, draft_index: list[int] | None,
-                     num_logprobs: int):
+    def verify(self, slots: list[int], drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
         drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
         row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
-        async with self._turn(seq):
-            host, timer = self._launch_verify(slots, drafts, draft_index, num_logprobs)
-        return await self._finish(host, timer)
-
-    def _launch_verify(self, slots, drafts, draft_index, num_logprobs) -> tuple[VerifyResult, StepTimer]:
         with StepTimer(self.device) as timer:
             slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
@@ -198,8 +157,8 @@ class VerifierWorker(_Worker):
             result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
                                           num_logprobs)
             self.state.advance(slot_t, result.tokens, result.num_emitted)
-            host = result.copy_to_host()
-        return host, timer
+            tokens, logprobs = result.to_host()
+        return tokens, logprobs, timer.ms
 
     def _gather_drafts(self, drafts, draft_index, batch):
         if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
@@ -239,16 +198,15 @@ class SpecWorker(VerifierWorker):
         super().__init__(config, num_slots, bench)
         self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
 
-    async def step(self, seq: int, draft_rows: list[tuple], k: int, seeds: list[int], positions: list[int],
-                   slots: list[int], draft_index: list[int], num_logprobs: int):
+    def step(self, draft_rows: list[tuple], k: int, seeds: list[int], positions: list[int], slots: list[int],
+             draft_index: list[int], num_logprobs: int):
         """Draft the rows in draft_rows (slot, valid, catchup), then verify all slots; draft_index as in verify."""
-        async with self._turn(seq):
-            drafts, draft_timer = None, None
-            if draft_rows:
-                with StepTimer(self.device) as draft_timer:
-                    pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-                    ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, seeds, pos_t)
-                drafts = {"ids": ids, "probs": probs}
-            host, timer = self._launch_verify(slots, drafts, draft_index, num_logprobs)
-        tokens, logprobs, t_verify = await self._finish(host, timer)
+        drafts, draft_timer = None, None
+        if draft_rows:
+            with StepTimer(self.device) as draft_timer:
+                pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+                ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, seeds, pos_t)
+            drafts = {"ids": ids, "probs": probs}
+        tokens, logprobs, t_verify = self.verify(slots, drafts, draft_index, num_logprobs)
+        # read the draft timer only now: reading it syncs, which would stall the verify launch
         return tokens, logprobs, draft_timer.ms if draft_timer else 0.0, t_verify
