@@ -96,6 +96,11 @@ def plot_engine_speed(parquet, png) -> Path:
     import matplotlib.pyplot as plt
 
     rows = [r for r in read_rows(parquet) if r.get("lengths", str(r["context"])) == str(r["context"])]
+    # the full sweep is one commit's; rows re-measured at a later commit are drawn as separate points
+    shas = [r.get("git_sha") for r in rows]
+    main_sha = max(set(shas), key=shas.count)
+    later = [r for r in rows if r.get("git_sha") != main_sha]
+    rows = [r for r in rows if r.get("git_sha") == main_sha]
     models = sorted({r["model"] for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -109,6 +114,9 @@ def plot_engine_speed(parquet, png) -> Path:
             if any(r.get("ms_transformers") for _, r in pts):
                 ax.plot(batches, [r.get("ms_transformers") for _, r in pts], "x" + style, color="C3",
                         label=f"transformers eager q={q}")
+        for r in (r for r in later if r["model"] == model):
+            ax.plot([r["batch"]], [r["ms"]], "*", markersize=10, color="C1" if r["q"] == 1 else "C4",
+                    label=f"minedraft q={r['q']} at git {r['git_sha']}")
         ax.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (context 512)",
                title=f"{model} step time")
         ax.grid(alpha=0.3)
