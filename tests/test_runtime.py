@@ -238,3 +238,13 @@ def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_ll
     assert alone.token_ids == ar[2].token_ids
     assert sum(o.stats["accepted"] for o in crowd) > 0
     assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)
+
+
+def test_outputs_queued_for_a_slow_consumer_are_merged():
+    from minedraft_ray.runtime.manager import StepOutput, _merged
+    a = StepOutput("r", [1, 2], [{"token_id": 1}, {"token_id": 2}])
+    b = StepOutput("r", [3], [{"token_id": 3}], finished=True, finish_reason="length", stats={"x": 1})
+    m = _merged(a, b)
+    assert (m.new_token_ids, [lp["token_id"] for lp in m.logprobs]) == ([1, 2, 3], [1, 2, 3])
+    assert (m.finished, m.finish_reason, m.stats) == (True, "length", {"x": 1})
+    assert _merged(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None

@@ -84,6 +84,7 @@ class ModelRunner:
             bufs["logits"] = self._forward(bufs["input_ids"], bufs["slots"])
         return graph, bufs
 
+    @torch.inference_mode()
     def capture_all(self, qs: tuple[int, ...]) -> None:
         """Capture every bucket for each q up front (largest first, so the shared pool is sized once)."""
         if not self.use_graphs:

@@ -41,6 +41,10 @@ from .transport import make_channel
 log = logging.getLogger("minedraft.runtime")
 
 
+# an actor start loads weights and captures its CUDA graphs: far longer than any step may take
+START_TIMEOUT_S = 900.0
+
+
 class EngineOverloadedError(RuntimeError):
     """The bounded queue is full: the caller should retry later (HTTP 429/503)."""
 
@@ -92,6 +96,13 @@ class _Task:
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
+
+
+def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one (b's finish, stats and error win)."""
+    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
+    return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, logprobs, b.finished, b.finish_reason,
+                      b.stats, b.error)
 
 
 def _sampling_row(r: Request) -> tuple:
@@ -159,10 +170,10 @@ class BatchManager:
         else:
             self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier")).remote(
                 cfg, self.num_slots, self.bench)
-        waits = [self._get(self.verifier.ready.remote(), "verifier start")]
+        waits = [self._get(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
-            waits.append(self._get(self.drafter.ready.remote(), "drafter start"))
+            waits.append(self._get(self.drafter.ready.remote(), "drafter start", START_TIMEOUT_S))
         infos = await asyncio.gather(*waits)
         self.worker_info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
         if self.drafter is not None:
@@ -221,6 +232,9 @@ class BatchManager:
         try:
             while True:
                 out: StepOutput = await r.queue.get()
+                while not out.finished and not r.queue.empty():
+                    # the consumer fell behind (a Serve stream pays per item): hand over what is queued at once
+                    out = _merged(out, r.queue.get_nowait())
                 if out.error:
                     raise EngineDeadError(out.error)
                 yield out
@@ -334,12 +348,13 @@ class BatchManager:
     async def _await(self, ref):
         return await ref
 
-    async def _get(self, ref, what: str):
+    async def _get(self, ref, what: str, timeout_s: float | None = None):
         t0 = time.perf_counter()
+        timeout_s = timeout_s or self.config.step_timeout_s
         try:
-            return await asyncio.wait_for(self._await(ref), self.config.step_timeout_s)
+            return await asyncio.wait_for(self._await(ref), timeout_s)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{what} took longer than {self.config.step_timeout_s:.0f} s") from None
+            raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
         finally:
             self._wait_ms += (time.perf_counter() - t0) * 1e3
 
@@ -554,7 +569,7 @@ class BatchManager:
                 pass
             try:
                 self.drafter = self._new_drafter()
-                info = await self._get(self.drafter.ready.remote(), "drafter restart")
+                info = await self._get(self.drafter.ready.remote(), "drafter restart", START_TIMEOUT_S)
                 await self.channel.connect(self.drafter, self.verifier, info["device"])
             except Exception as e:
                 log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)

@@ -78,10 +78,14 @@ class _Worker:
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
 
-    def _runner(self, path: str) -> ModelRunner:
+    def _runner(self, path: str, step_widths: tuple[int, ...]) -> ModelRunner:
+        """The model on this device; on CUDA its graphs for every batch bucket and step width are captured
+        now, so the first requests do not pay for captures (and the compiles inside them)."""
         model = load_model(path, self.device, self.dtype)
-        return ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
-                           self.config.cuda_graphs, self.vocab_limit)
+        runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
+                             self.config.cuda_graphs, self.vocab_limit)
+        runner.capture_all(step_widths)
+        return runner
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
@@ -126,7 +130,9 @@ class VerifierWorker(_Worker):
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
-        self.verifier = Verifier(self._runner(self.target_dir), self.bench.get("synthetic_acceptance"))
+        # verify steps are k + 1 wide, or 1 when no row carries drafts
+        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
+                                 self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
 
     def set_bench(self, bench: dict) -> None:
@@ -179,7 +185,8 @@ class DrafterWorker(_Worker):
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
-        self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
+        # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
+        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
     def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
         """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
@@ -196,7 +203,8 @@ class SpecWorker(VerifierWorker):
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
-        self.drafter = Drafter(self._runner(self.draft_dir), self.config.draft_temperature)
+        # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
+        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
     def step(self, draft_rows: list[tuple], k: int, seeds: list[int], positions: list[int], slots: list[int],
              draft_index: list[int], num_logprobs: int):
