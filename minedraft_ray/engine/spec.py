@@ -16,7 +16,7 @@ import torch
 
 from .rejection import draft_sample, rejection_sample
 from .runner import ModelRunner
-from .sampling import SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
+from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
 
 PURPOSE_SYNTHETIC = 17  # noise stream of the benchmark-only synthetic acceptance
 
@@ -57,10 +57,31 @@ class Drafter:
             runner.extend([r.slot for r in lagging], [r.catchup[:-2] for r in lagging])
         slots = torch.tensor([r.slot for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
         last2 = torch.tensor([r.catchup[-2:] for r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
-        probabilistic = self.draft_temperature > 0
+        seed_t = None
+        if self.draft_temperature > 0:
+            seed_t = SamplingBatch.build([SamplingParams()] * len(rows), self.device, seeds=seeds).seed
+        return self._draft_loop(slots, last2, k, seed_t, positions)
+
+    @torch.inference_mode()
+    def draft_in_step(self, slots: torch.Tensor, last2: torch.Tensor, seq_lens: torch.Tensor, k: int,
+                      seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draft` from device state alone, for slots that hold every token but the last two of their
+        sequence or more (prefilled with the prompt, then drafted every step): no host data, so steps can be
+        queued before the previous one's tokens reach the host. slots, seq_lens, seeds, positions [B];
+        last2 [B, 2] the sequence's last two tokens."""
+        self.runner.set_lengths(slots, seq_lens - 2)
+        return self._draft_loop(slots, last2, k, seeds if self.draft_temperature > 0 else None, positions)
+
+    def _draft_loop(self, slots, last2, k, seeds, positions):
+        runner, probabilistic = self.runner, seeds is not None
         if probabilistic:
-            draft_batch = SamplingBatch.build([SamplingParams(temperature=self.draft_temperature)] * len(rows),
-                                              self.device, seeds=seeds)
+            B = slots.shape[0]
+            draft_batch = SamplingBatch(
+                temperature=torch.full((B,), self.draft_temperature, dtype=torch.float32, device=self.device),
+                top_k=torch.zeros(B, dtype=torch.int64, device=self.device),
+                top_p=torch.ones(B, dtype=torch.float32, device=self.device), seed=seeds,
+                all_greedy=self.draft_temperature < GREEDY_EPS, any_greedy=self.draft_temperature < GREEDY_EPS,
+                use_top_k=False, use_top_p=False)
         ids, probs = [], []
         logits = runner.step(slots, last2)[:, -1]                        # [B, V]
         for j in range(k):

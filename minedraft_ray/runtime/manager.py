@@ -137,13 +137,18 @@ class BatchManager:
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.batches: list[list[Request]] = [[], []]  # psd uses both; other modes only batches[0]
-        self.busy = [False, False]                     # batch i has a verify in flight
+        # verifies queued per chain: `sd` and `ar` build a step from the verifier's slot state alone, so one
+        # step waits behind the running one and the manager's host work overlaps the device; psd and
+        # sd_split draft from committed tokens on another actor, so they queue one (psd has two chains)
+        self.depth = 2 if self.mode in ("sd", "ar") else 1
+        self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_commit = 0.0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
-                         "moves": 0, "aborted": 0, "finished": 0}
+                         "moves": 0, "aborted": 0, "finished": 0,
+                         "queued_behind": 0}  # verifies submitted while one of the same batch was in flight
         self.verifier = self.drafter = None
         self.drafter_alive = False
         self.dead: str | None = None
@@ -398,7 +403,7 @@ class BatchManager:
         record.draft_tokens = sum(task.num_drafts)
         record.accepted = sum(len(t) - 1 for t, nd in zip(tokens, task.num_drafts) if nd)
         self._commit(task, tokens, logprobs)
-        self.busy[task.batch] = False
+        self.queued[task.batch] -= 1
         self._schedule(task.batch)
         record.sizes = (len(self.batches[0]), len(self.batches[1]))
         now = time.perf_counter()
@@ -446,8 +451,9 @@ class BatchManager:
         self._rebalance(committed)
         order = [committed, 1 - committed] if committed is not None else [0, 1]
         for b in order:
-            if not self.busy[b] and self.batches[b]:
-                self._submit_verify(b, len(new) if b == committed else 0)
+            admitted = len(new) if b == committed or committed is None else 0
+            while self.queued[b] < self.depth and self.batches[b] and self._submit_verify(b, admitted):
+                admitted = 0
         return len(new)
 
     def _admit(self) -> list[Request]:
@@ -467,13 +473,19 @@ class BatchManager:
             return "ar"
         return "psd" if self.mode == "psd" and self.batches[1 - b] else "seq"
 
-    def _submit_verify(self, b: int, admitted: int) -> None:
-        # a request rides when its state is committed (then it may be drafted) or only its prefill is ahead
-        rows = [r for r in self.batches[b] if r.inflight == 0 or (r.inflight == 1 and r.prefilling)]
+    def _submit_verify(self, b: int, admitted: int) -> bool:
+        """Queue batch b's next verify (and its drafts); False when no member can ride yet."""
+        if self.depth > 1:   # everything the step needs is in the verifier's slot state
+            rows = list(self.batches[b])
+        else:  # a request rides when its state is committed (then it may be drafted) or only its prefill is ahead
+            rows = [r for r in self.batches[b] if r.inflight == 0 or (r.inflight == 1 and r.prefilling)]
         if not rows:
-            return   # every member is still in flight in the other batch (moved): next commit
+            return False   # every member is still in flight in the other batch (moved): next commit
         regime = self._regime(b)
-        drafted = [r for r in rows if r.inflight == 0] if regime != "ar" else []
+        if regime == "sd":
+            drafted = rows
+        else:
+            drafted = [r for r in rows if r.inflight == 0] if regime != "ar" else []
         order = {id(r): i for i, r in enumerate(drafted)}
         index = [order.get(id(r), -1) for r in rows]
         num_drafts = [self.k if i >= 0 else 0 for i in index]
@@ -482,7 +494,7 @@ class BatchManager:
                      submitted=time.perf_counter())
         if regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(*self._draft_args(drafted), slots, index, nlp)
+            task.ref = self.verifier.step.remote(slots, self.k, nlp)
         elif drafted:
             drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
             task.ref = self.verifier.verify.remote(slots, drafts_ref, index, nlp)
@@ -490,8 +502,10 @@ class BatchManager:
             task.ref = self.verifier.verify.remote(slots, None, None, nlp)
         for r in rows:
             r.inflight += 1
-        self.busy[b] = True
+        self.counters["queued_behind"] += self.queued[b] > 0
+        self.queued[b] += 1
         self.inflight.append(task)
+        return True
 
     def _draft_args(self, batch: list[Request]) -> tuple:
         """(rows (slot, valid, catchup), k, seeds, output positions of the first drafts)."""

@@ -101,26 +101,36 @@ def _gpu_ids():
 
 
 class SlotState:
-    """What the verifier keeps per slot between steps, on its device: the last token (the next step's
-    input), the output position (the noise key of the next token) and the sampling settings. A verify
-    message is then just slot ids plus a draft reference, and steps queued behind each other on the
-    actor see each other's results without a round trip through the manager."""
+    """What the verifier keeps per slot between steps, on its device: the last two tokens (the next
+    step's input; `sd` drafts from them), the sequence length, the output position (the noise key of the
+    next token) and the sampling settings. A verify message is then just slot ids plus a draft reference,
+    and steps queued behind each other on the actor see each other's results without a round trip
+    through the manager."""
 
     def __init__(self, num_slots: int, device: torch.device):
         self.last_token = torch.zeros(num_slots, dtype=torch.int64, device=device)   # [S]
+        self.prev_token = torch.zeros(num_slots, dtype=torch.int64, device=device)   # [S] the one before it
+        self.seq_len = torch.zeros(num_slots, dtype=torch.int64, device=device)      # [S] prompt + output
         self.position = torch.zeros(num_slots, dtype=torch.int64, device=device)     # [S]
         self.sampling = SamplingBatch.build([SamplingParams(temperature=0.0)] * num_slots, device,
                                             seeds=[0] * num_slots)                    # [S] rows
 
-    def start(self, slots: list[int], slot_t: torch.Tensor, batch: SamplingBatch, first: torch.Tensor) -> None:
+    def start(self, slots: list[int], slot_t: torch.Tensor, batch: SamplingBatch, first: torch.Tensor,
+              prompts: list[list[int]]) -> None:
         # first [B]: each request's first token (output position 0)
+        tails = torch.tensor([[p[-1], len(p)] for p in prompts], dtype=torch.int64).to(first.device)
         self.sampling.assign(slots, batch)
+        self.prev_token[slot_t] = tails[:, 0]
         self.last_token[slot_t] = first
+        self.seq_len[slot_t] = tails[:, 1] + 1
         self.position[slot_t] = 1
 
     def advance(self, slot_t: torch.Tensor, tokens: torch.Tensor, num_emitted: torch.Tensor) -> None:
         # tokens [B, k+1] (-1 past the emitted ones), num_emitted [B] >= 1
+        before_last = tokens.gather(1, (num_emitted - 2).clamp(min=0)[:, None]).squeeze(1)
+        self.prev_token[slot_t] = torch.where(num_emitted >= 2, before_last, self.last_token[slot_t])
         self.last_token[slot_t] = tokens.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
+        self.seq_len[slot_t] += num_emitted
         self.position[slot_t] += num_emitted
 
 
@@ -146,7 +156,7 @@ class VerifierWorker(_Worker):
             batch = sampling_batch(sampling, self.device)
             result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
             slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.state.start(slots, slot_t, batch, result.tokens[:, 0])
+            self.state.start(slots, slot_t, batch, result.tokens[:, 0], prompts)
             tokens, logprobs = result.to_host()
         return tokens, logprobs, timer.ms
 
@@ -199,22 +209,31 @@ class DrafterWorker(_Worker):
 
 
 class SpecWorker(VerifierWorker):
-    """`sd` mode: drafter and target in one actor on one GPU; a whole step with no Ray hop inside."""
+    """`sd` mode: drafter and target in one actor on one GPU; a whole step with no Ray hop inside.
+
+    The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
+    from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
-    def step(self, draft_rows: list[tuple], k: int, seeds: list[int], positions: list[int], slots: list[int],
-             draft_index: list[int], num_logprobs: int):
-        """Draft the rows in draft_rows (slot, valid, catchup), then verify all slots; draft_index as in verify."""
-        drafts, draft_timer = None, None
-        if draft_rows:
-            with StepTimer(self.device) as draft_timer:
-                pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-                ids, probs = self.drafter.draft([DraftRow(*r) for r in draft_rows], k, seeds, pos_t)
-            drafts = {"ids": ids, "probs": probs}
-        tokens, logprobs, t_verify = self.verify(slots, drafts, draft_index, num_logprobs)
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
+        with StepTimer(self.device) as timer:
+            self.drafter.prefill(slots, prompts)
+        tokens, logprobs, ms = super().prefill(slots, prompts, sampling, num_logprobs)
+        return tokens, logprobs, ms + timer.ms
+
+    def step(self, slots: list[int], k: int, num_logprobs: int):
+        """Draft k tokens for every slot from the slot state, then verify them."""
+        state = self.state
+        with StepTimer(self.device) as draft_timer:
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
+            ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
+                                                    state.sampling.seed[slot_t], state.position[slot_t])
+        tokens, logprobs, t_verify = self.verify(slots, {"ids": ids, "probs": probs}, list(range(len(slots))),
+                                                 num_logprobs)
         # read the draft timer only now: reading it syncs, which would stall the verify launch
-        return tokens, logprobs, draft_timer.ms if draft_timer else 0.0, t_verify
+        return tokens, logprobs, draft_timer.ms, t_verify
