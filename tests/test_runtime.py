@@ -250,3 +250,35 @@ def test_outputs_queued_for_a_slow_consumer_are_merged():
     assert (m.new_token_ids, [lp["token_id"] for lp in m.logprobs]) == ([1, 2, 3], [1, 2, 3])
     assert (m.finished, m.finish_reason, m.stats) == (True, "length", {"x": 1})
     assert _merged(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None
+
+
+def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_draft):
+    """`sd` drafts from device-side slot state (no host tokens); a worker fed the same sequences through
+    the host catch-up path drafts the same tokens, and the slot state follows the committed tokens."""
+    import torch
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.engine.spec import DraftRow
+    from minedraft_ray.runtime.workers import SpecWorker
+
+    cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
+                       device="cpu", torch_threads=1).model_dump()
+    state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
+    prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
+    slots, greedy_rows = [2, 0, 3], [(0.0, 1.0, 0, s) for s in range(3)]
+    first, _, _ = state_worker.prefill(slots, prompts, greedy_rows, 0)
+    assert host_worker.prefill(slots, prompts, greedy_rows, 0)[0] == first
+    sequences = [p + f for p, f in zip(prompts, first)]
+    for _ in range(3):   # a few sd steps: state path on one worker, host rows on the other
+        st = state_worker.state
+        slot_t = torch.tensor(slots)
+        ids_state, _ = state_worker.drafter.draft_in_step(
+            slot_t, torch.stack([st.prev_token[slot_t], st.last_token[slot_t]], 1), st.seq_len[slot_t], 3,
+            st.sampling.seed[slot_t], st.position[slot_t])
+        rows = [DraftRow(s, 0, seq) for s, seq in zip(slots, sequences)]   # catch up from scratch
+        ids_host, _ = host_worker.drafter.draft(rows, 3)
+        assert torch.equal(ids_state, ids_host)
+        tokens, _, _, _ = state_worker.step(slots, 3, 0)
+        sequences = [seq + t for seq, t in zip(sequences, tokens)]
+        assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
+        assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]
+        assert state_worker.state.seq_len[slot_t].tolist() == [len(seq) for seq in sequences]
