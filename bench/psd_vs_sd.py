@@ -8,7 +8,8 @@ and 4m: `sd` (drafter and target on one GPU), `ar` (target only), `sd_split` (ps
 overlap). Single-GPU configurations run two at a time, one per GPU.
 
 Part 2: the same closed workload and Poisson arrivals at 30/60/90 % of psd's closed-loop capacity, m = 64,
-each mode at its best k: psd on both GPUs against two data-parallel replicas of `sd` and of `ar` (requests
+each mode at its best k: psd on both GPUs against sd_split on the same two GPUs (psd must not be slower at
+low load: the P50/P99 <= 1.05x target) and against two data-parallel replicas of `sd` and of `ar` (requests
 go to the replica with fewer in flight), and a model pair with real acceptance.
 
     python -m bench.psd_vs_sd --part 1      # closed workloads (fits one 9-minute command on 2 x H200)
@@ -99,6 +100,7 @@ class Setup:
     split_ablation: bool = True                # sd_split at psd's best k
     real_modes: tuple[str, ...] = ("psd", "sd")
     dp_modes: tuple[str, ...] = ("sd", "ar")   # part 2: two replicas of each against psd
+    split_online: bool = True                  # part 2: sd_split (psd's GPUs, no overlap) online too: low load
     extras: bool = True                        # part 2: one sd replica online too, if time is left
 
 
@@ -760,7 +762,9 @@ class Bench:
         psd = Spec("psd", m, k_psd, a)
         dp = {"sd": Spec("sd", m, k_sd, a, replicas=2), "ar": Spec("ar", m, 0, None, replicas=2)}
         real = [Spec(mode, m, setup.real_k, None, acceptance="real") for mode in setup.real_modes]
-        online = [psd] + [dp[mode] for mode in setup.dp_modes]
+        # sd_split first: psd must not be slower than it at low load (the regime switch's condition)
+        split = [Spec("sd_split", m, k_psd, a)] if setup.split_online else []
+        online = [psd] + split + [dp[mode] for mode in setup.dp_modes]
         runs = len(online) * len(setup.loads)
         drain_est = 1.0 if setup.smoke else 4.0
         waves = budget.fit_waves([(s, m) for s in online + real], reserve_s=runs * (setup.online_s[0] + drain_est))
@@ -859,6 +863,15 @@ def target_rows(rows: list[dict]) -> list[dict]:
                 "value": "; ".join(f"m={m} alpha={a} k={p['k']} (draft/verify {p['t_draft_ms'] / p['t_verify_ms']:.2f})"
                                    f": {x:.2f}x" for m, a, p, x in ratios) or "no rows",
                 "met": None if not ratios else all(x >= 1.5 for *_, x in ratios)})
+    timed = _ok(rows, workload="online")
+    pairs = [(p, b) for p in _ok(timed, mode="psd") for b in _ok(timed, mode="sd_split", load=p["load"])]
+    slow = [(p, b, q) for p, b in pairs for q in ("lat_p50_s", "lat_p99_s")
+            if None not in (p.get(q), b.get(q)) and p[q] > 1.05 * b[q]]
+    out.append({"target": "online: psd P50/P99 latency <= 1.05x sd_split's at every load",
+                "value": "no rows" if not pairs else "; ".join(
+                    f"{p['load']:.0%}: P50 {p['lat_p50_s'] / b['lat_p50_s']:.2f}x, P99 {p['lat_p99_s'] / b['lat_p99_s']:.2f}x"
+                    for p, b in pairs if b.get("lat_p50_s") and b.get("lat_p99_s")),
+                "met": None if not pairs else not slow})
     over = [r for r in psd if r.get("ray_overhead_ms") is not None]
     top = max(over, key=lambda r: r["ray_overhead_ms"], default=None)
     out.append({"target": "psd ray_overhead <= 1 ms",
