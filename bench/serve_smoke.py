@@ -48,6 +48,18 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise TimeoutError(f"the API did not come up within {timeout:.0f} s")
 
 
+def engine_info(url: str) -> dict | None:
+    import urllib.request
+    request = urllib.request.Request(url + "/v1/minedraft/info", headers={
+        "Authorization": f"Bearer {os.environ.get('MINEDRAFT_API_KEY', 'none')}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return json.loads(r.read())
+    except OSError as e:
+        print(f"/v1/minedraft/info: {e}", flush=True)
+        return None
+
+
 async def stream_all(url: str, model: str, n: int, max_tokens: int) -> list[dict]:
     from openai import AsyncOpenAI
 
@@ -59,16 +71,20 @@ async def stream_all(url: str, model: str, n: int, max_tokens: int) -> list[dict
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=max_tokens,
             stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        arrivals = []
         async for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage.model_dump()
             for choice in chunk.choices:
                 if choice.delta.content:
-                    ttft = ttft if ttft is not None else time.monotonic() - t0
+                    arrivals.append(time.monotonic() - t0)
+                    ttft = ttft if ttft is not None else arrivals[-1]
                     pieces.append(choice.delta.content)
                 finish = choice.finish_reason or finish
+        gaps = sorted(b - a for a, b in zip(arrivals, arrivals[1:]))
         return dict(request=i, ttft_s=ttft, latency_s=time.monotonic() - t0, chunks=len(pieces),
-                    chars=sum(map(len, pieces)), finish_reason=finish, usage=usage)
+                    chars=sum(map(len, pieces)), finish_reason=finish, usage=usage,
+                    median_gap_s=gaps[len(gaps) // 2] if gaps else None)
 
     return await asyncio.gather(*(one(i) for i in range(n)))
 
@@ -110,13 +126,18 @@ def main(argv=None) -> int:
         for r in results:
             usage = r["usage"] or {}
             ttft = "none" if r["ttft_s"] is None else f"{r['ttft_s']:.3f} s"
-            print(f"request {r['request']}: ttft {ttft}, latency {r['latency_s']:.2f} s, "
+            gap = "none" if r["median_gap_s"] is None else f"{r['median_gap_s'] * 1e3:.1f} ms"
+            print(f"request {r['request']}: ttft {ttft}, median gap {gap}, latency {r['latency_s']:.2f} s, "
                   f"{r['chunks']} chunks, {usage.get('completion_tokens')} tokens, finish={r['finish_reason']}",
                   flush=True)
         tokens = sum((r["usage"] or {}).get("completion_tokens", 0) for r in results)
         summary["tokens_per_s"] = tokens / summary["wall_s"]
         print(f"{args.requests} streams, {tokens} tokens in {summary['wall_s']:.2f} s "
               f"({summary['tokens_per_s']:.0f} tokens/s)", flush=True)
+        info = engine_info(url)   # the engine's own view: step times, regimes
+        summary["engine"] = info
+        if info:
+            print(f"engine: {json.dumps(info.get('recent_steps'))}", flush=True)
         ok = all(r["finish_reason"] == "length" and (r["usage"] or {}).get("completion_tokens") == args.max_tokens
                  for r in results)
         summary["ok"] = ok

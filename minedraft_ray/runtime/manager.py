@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import ray
@@ -314,7 +315,19 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
                 "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
-                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters}
+                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters,
+                "recent_steps": self.recent_steps()}
+
+    def recent_steps(self, n: int = 200) -> dict:
+        """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
+        steps = list(self.history)[-n:]
+        if not steps:
+            return {"steps": 0}
+        fields = ("step_ms", "t_verify_ms", "t_draft_ms", "t_prefill_ms", "host_ms")
+        out = {f: statistics.median(getattr(r, f) for r in steps) for f in fields}
+        out.update(steps=len(steps), rows=statistics.median(r.verified for r in steps),
+                   regimes=dict(Counter(r.regime for r in steps)))
+        return out
 
     # ---- the step loop -------------------------------------------------------------------------
     async def _run(self) -> None:
