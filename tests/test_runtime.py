@@ -277,7 +277,7 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
         rows = [DraftRow(s, 0, seq) for s, seq in zip(slots, sequences)]   # catch up from scratch
         ids_host, _ = host_worker.drafter.draft(rows, 3)
         assert torch.equal(ids_state, ids_host)
-        tokens, _, _, _ = state_worker.step(slots, 3, 0)
+        tokens, *_ = state_worker.step(slots, 3, 0)
         sequences = [seq + t for seq, t in zip(sequences, tokens)]
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]

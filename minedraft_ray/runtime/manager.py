@@ -97,6 +97,7 @@ class _Task:
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
+    submitted_wall: float = field(default_factory=time.time)
 
 
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -144,7 +145,7 @@ class BatchManager:
         self.depth = 2 if self.mode in ("sd", "ar") else 1
         self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
-        self._last_commit = 0.0
+        self._last_end = 0.0                           # wall clock at the end of the latest verify
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
@@ -406,9 +407,9 @@ class BatchManager:
             self._commit(task, tokens, logprobs)
             return
         if task.kind == "step":
-            tokens, logprobs, t_draft, t_verify = result
+            tokens, logprobs, t_draft, t_verify, t_end = result
         else:
-            tokens, logprobs, t_verify = result
+            tokens, logprobs, t_verify, t_end = result
         record = StepRecord(task.regime, (0, 0), len(task.requests), task.drafted, t_draft_ms=t_draft,
                             t_verify_ms=t_verify, t_prefill_ms=self._prefill_ms, admitted=task.admitted)
         self._prefill_ms = 0.0
@@ -420,9 +421,11 @@ class BatchManager:
         self._schedule(task.batch)
         record.sizes = (len(self.batches[0]), len(self.batches[1]))
         now = time.perf_counter()
-        record.step_ms = (now - max(self._last_commit, task.submitted)) * 1e3
+        # the verifier's cycle: from the end of its previous verify (or this one's submission, after idle)
+        # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
+        record.step_ms = (t_end - max(self._last_end, task.submitted_wall)) * 1e3
+        self._last_end = t_end
         record.host_ms = (now - t_arrived) * 1e3
-        self._last_commit = now
         self.counters["steps"] += 1
         self.history.append(record)
         for listener in self.step_listeners:

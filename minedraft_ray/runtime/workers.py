@@ -174,7 +174,8 @@ class VerifierWorker(_Worker):
                                           num_logprobs)
             self.state.advance(slot_t, result.tokens, result.num_emitted)
             tokens, logprobs = result.to_host()
-        return tokens, logprobs, timer.ms
+        # wall-clock end (same host as the manager): step times measured where the work runs
+        return tokens, logprobs, timer.ms, time.time()
 
     def _gather_drafts(self, drafts, draft_index, batch):
         if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
@@ -233,7 +234,7 @@ class SpecWorker(VerifierWorker):
             last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
             ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
                                                     state.sampling.seed[slot_t], state.position[slot_t])
-        tokens, logprobs, t_verify = self.verify(slots, {"ids": ids, "probs": probs}, list(range(len(slots))),
-                                                 num_logprobs)
+        tokens, logprobs, t_verify, t_end = self.verify(slots, {"ids": ids, "probs": probs},
+                                                        list(range(len(slots))), num_logprobs)
         # read the draft timer only now: reading it syncs, which would stall the verify launch
-        return tokens, logprobs, draft_timer.ms, t_verify
+        return tokens, logprobs, draft_timer.ms, t_verify, t_end
