@@ -18,6 +18,7 @@ actor (`LLM`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import statistics
 import time
@@ -186,6 +187,8 @@ class BatchManager:
         if self.drafter is not None:
             await self.channel.connect(self.drafter, self.verifier, infos[0]["device"])
         self.drafter_alive = self.drafter is not None
+        gc.collect()
+        gc.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def _new_drafter(self):

@@ -6,6 +6,7 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -88,6 +89,10 @@ class _Worker:
         return runner
 
     def ready(self) -> dict:
+        # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
+        # the collector's scans, so a full collection does not stall a step
+        gc.collect()
+        gc.freeze()
         return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
