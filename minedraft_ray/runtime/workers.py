@@ -51,13 +51,16 @@ class StepTimer:
     def __exit__(self, *exc):
         if self.cuda:
             self.end.record()
+        else:
+            self.t1 = time.perf_counter()
 
     @property
     def ms(self) -> float:
+        """The block's time, whenever it is read (on a GPU, reading waits for the block's work)."""
         if self.cuda:
             self.end.synchronize()
             return self.start.elapsed_time(self.end)
-        return (time.perf_counter() - self.t0) * 1e3
+        return (self.t1 - self.t0) * 1e3
 
 
 def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
