@@ -104,9 +104,10 @@ class SamplingBatch:
     def __len__(self):
         return self.temperature.shape[0]
 
-    def select(self, rows) -> "SamplingBatch":
-        # rows: list of ints or an int64 tensor of row indices
-        idx = torch.as_tensor(rows, dtype=torch.int64).to(self.temperature.device)
+    def select(self, rows, index: torch.Tensor | None = None) -> "SamplingBatch":
+        # rows: list of ints or an int64 tensor of row indices; index: the same rows already on the device
+        # (saves a host-to-device copy when the caller has them there)
+        idx = index if index is not None else torch.as_tensor(rows, dtype=torch.int64).to(self.temperature.device)
         tensors = (self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx])
         if isinstance(rows, torch.Tensor) or self.host_rows is None:
             return SamplingBatch(*tensors, all_greedy=self.all_greedy, any_greedy=self.any_greedy,

@@ -173,10 +173,14 @@ class VerifierWorker(_Worker):
 
         drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
         row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
+        slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._verify(slots, slot_t, drafts, draft_index, num_logprobs)
+
+    def _verify(self, slots: list[int], slot_t: torch.Tensor, drafts, draft_index, num_logprobs: int):
+        # slot_t: slots [B] on the device
         with StepTimer(self.device) as timer:
-            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
-            batch = self.state.sampling.select(slots)
+            batch = self.state.sampling.select(slots, slot_t)
             draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
             result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
                                           num_logprobs)
@@ -242,7 +246,7 @@ class SpecWorker(VerifierWorker):
             last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
             ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
                                                     state.sampling.seed[slot_t], state.position[slot_t])
-        tokens, logprobs, t_verify, t_end = self.verify(slots, {"ids": ids, "probs": probs},
-                                                        list(range(len(slots))), num_logprobs)
+        tokens, logprobs, t_verify, t_end = self._verify(slots, slot_t, {"ids": ids, "probs": probs},
+                                                         list(range(len(slots))), num_logprobs)
         # read the draft timer only now: reading it syncs, which would stall the verify launch
         return tokens, logprobs, draft_timer.ms, t_verify, t_end
