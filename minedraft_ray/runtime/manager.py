@@ -8,10 +8,11 @@ overlaps the other batch's verify, so it is off the verifier's critical path. Th
 each slot's last token, position and sampling settings (workers.SlotState), so a verify message
 is slot ids plus a draft reference.
 
-A request is in at most one verify in flight (plus, when new, its prefill ahead of it). A request
-whose state is not committed yet (new, or moved between batches) rides without drafts or waits a
-step. Other modes share the loop with one chain: `ar` (verify only), `sd` (one actor drafts and
-verifies), `sd_split` (draft then verify, chained by an object ref). The manager is a plain asyncio
+In psd and sd_split a request is in at most one verify in flight (plus, when new, its prefill ahead of
+it); a request whose state is not committed yet (new, or moved between batches) rides without drafts or
+waits a step. The other modes share the loop with one chain: `sd_split` (draft then verify, chained by
+an object ref), and `ar` (verify only) and `sd` (one actor drafts and verifies), which build a step from
+the verifier's slot state alone and so keep the next step queued behind the running one. The manager is a plain asyncio
 object so it can live in a Serve replica (bundle 0 of the replica's placement group) or in an
 actor (`LLM`).
 """
