@@ -52,9 +52,9 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
 # what ran, beyond the required columns: enough to tell scaled-down or partial configurations apart
 EXTRA_COLUMNS = ["part", "status", "note", "alpha_group", "batch", "replicas", "in_flight", "n_requests", "completed",
                  "max_tokens", "prompt_len", "temperature", "load", "duration_s", "acceptance_rate",
-                 "acceptance_length", "steady_steps", "prefill_share", "launch_gap_ms", "verifier_overlap", "build_s",
+                 "acceptance_length", "steady_steps", "prefill_share", "launch_gap_ms", "build_s",
                  "run_s", "models"]
-STRINGS = {"verifier_overlap", "mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
+STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
            "prompt_len", "models"}
 INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
         "steady_steps"}
@@ -1020,8 +1020,6 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep the finished rows of the same part from --prior and run only what is missing")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of synthetic rows")
-    p.add_argument("--verifier-overlap", choices=["on", "off"], default="on",
-                   help="the verifier launches its next queued step while the current one runs (EngineConfig)")
     p.add_argument("--batch-mults", default="1,2,4", help="baseline batches as multiples of m")
     args = p.parse_args(argv)
     start = time.perf_counter()  # the first part's budget counts from here: Ray and model setup included
@@ -1033,12 +1031,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     work = Path(tempfile.mkdtemp(prefix="psdb-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     setup = smoke_setup(args, work) if args.smoke else gpu_setup(args)
-    setup.engine["verifier_overlap"] = args.verifier_overlap == "on"
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd"), "device": machine_name(args.smoke),
-               "transport": setup.transport, "verifier_overlap": args.verifier_overlap}
+               "transport": setup.transport}
     results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")

@@ -41,8 +41,6 @@ class EngineConfig(BaseModel):
     transport: Literal["object_store"] = Field("object_store", description="draft channel (docs/transport.md)")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
-    verifier_overlap: bool = Field(True, description="the verifier launches its next queued step while the "
-                                   "current one still runs on the device (hides per-step host and Ray time)")
     max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
     # scale-out (Serve): data-parallel engine replicas, each with its own drafter+verifier placement group

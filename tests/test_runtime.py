@@ -48,11 +48,10 @@ def test_make_bundles():
         make_bundles("fast")
 
 
-@pytest.mark.parametrize("mode,overlap", [("ar", True), ("sd", True), ("sd_split", True), ("psd", True),
-                                          ("psd", False), ("sd", False)])
-def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, overlap):
+@pytest.mark.parametrize("mode", ["ar", "sd", "sd_split", "psd"])
+def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, verifier_overlap=overlap)
+              torch_threads=1)
     try:
         if mode in ("psd", "sd_split"):
             gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}
@@ -271,11 +270,10 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [(0.0, 1.0, 0, s) for s in range(3)]
-    run = asyncio.run   # the verifier is an async actor; its tasks carry their launch order
-    first, _, _ = run(state_worker.prefill(0, slots, prompts, greedy_rows, 0))
-    assert run(host_worker.prefill(0, slots, prompts, greedy_rows, 0))[0] == first
+    first, _, _ = state_worker.prefill(slots, prompts, greedy_rows, 0)
+    assert host_worker.prefill(slots, prompts, greedy_rows, 0)[0] == first
     sequences = [p + f for p, f in zip(prompts, first)]
-    for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
+    for _ in range(3):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
         slot_t = torch.tensor(slots)
         ids_state, q_state = state_worker.drafter.draft_in_step(
@@ -288,39 +286,11 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
             assert torch.allclose(q_state, q_host, atol=1e-6)
         else:
             assert q_state is None and q_host is None
-        tokens, *_ = run(state_worker.step(seq, slots, 3, 0))
+        tokens, *_ = state_worker.step(slots, 3, 0)
         sequences = [seq + t for seq, t in zip(sequences, tokens)]
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]
         assert state_worker.state.seq_len[slot_t].tolist() == [len(seq) for seq in sequences]
-
-
-def test_verifier_tasks_launch_in_the_managers_order(tiny_llama):
-    """The async verifier launches its tasks by their numbers whatever order they arrive in; a task that
-    comes after its turn is refused, and one whose predecessor never comes times out (no hang)."""
-    from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import VerifierWorker
-
-    cfg = EngineConfig(target=str(tiny_llama), mode="ar", draft=None, k=1, max_batch=2, device="cpu",
-                       torch_threads=1, step_timeout_s=0.3).model_dump()
-    worker, launched = VerifierWorker(cfg, 2), []
-
-    async def task(seq):
-        async with worker._turn(seq):
-            launched.append(seq)
-            await asyncio.sleep(0.01 * (seq % 2))   # a slow launch must not let the next one overtake it
-
-    async def main():
-        await asyncio.gather(task(2), task(0), task(3), task(1))
-        assert launched == [0, 1, 2, 3]
-        with pytest.raises(RuntimeError, match="after its turn"):
-            await task(1)
-        with pytest.raises(TimeoutError, match="waited"):
-            await task(5)           # 4 never arrives
-        await task(4)               # the resubmission still gets its turn
-        assert launched[-1] == 4
-
-    asyncio.run(main())
 
 
 def test_step_timer_on_cpu_times_its_block_not_the_read():

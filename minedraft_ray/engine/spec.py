@@ -103,19 +103,6 @@ class VerifyResult:
     num_emitted: torch.Tensor   # [B] int64, 1..num_drafts+1
     logprobs: tuple | None = None   # (token_lp [B, k+1], top_ids [B, k+1, n], top_lp [B, k+1, n])
 
-    def copy_to_host(self) -> "VerifyResult":
-        """Queue the copies to pinned host memory without waiting for them: the caller waits on an event
-        recorded after this, so the copies run right behind the step's kernels, ahead of any later work
-        on the stream (a blocking copy issued later would wait for that work too)."""
-        if self.tokens.device.type == "cpu":
-            return self
-
-        def host(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        return VerifyResult(host(self.tokens), host(self.num_emitted),
-                            None if self.logprobs is None else tuple(host(t) for t in self.logprobs))
-
     def to_host(self) -> tuple[list[list[int]], list[list[dict]] | None]:
         """The emitted tokens per row (and their logprobs), copied to the host in one go."""
         emitted = self.num_emitted.tolist()

@@ -79,7 +79,7 @@ class StepRecord:
     t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
     step_ms: float = 0.0
     host_ms: float = 0.0             # manager time in the step not spent waiting on actors
-    launch_gap_ms: float = 0.0       # verifier: its launch - the previous verify's end (< 0: overlapped)
+    launch_gap_ms: float = 0.0       # verifier: start of this task - end of the previous verify
     emitted: int = 0
     accepted: int = 0
     draft_tokens: int = 0
@@ -101,7 +101,6 @@ class _Task:
     admitted: int = 0
     submitted: float = 0.0
     submitted_wall: float = field(default_factory=time.time)
-    seq: int = -1                    # launch order on the verifier (a resubmitted task keeps its number)
 
 
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -150,7 +149,6 @@ class BatchManager:
         self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
-        self._seq = -1                                 # the latest verifier task's number (launch order)
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
@@ -400,7 +398,7 @@ class BatchManager:
             except Exception as e:
                 # the verify never ran (its drafts failed): run it again without drafts
                 self._drafter_down(e)
-                task.ref = self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
+                task.ref = self.verifier.verify.remote([r.slot for r in task.requests], None, None,
                                                        self._num_logprobs(task.requests))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
         result = await self._verifier_result(task.ref, task.kind)
@@ -431,7 +429,7 @@ class BatchManager:
         # the verifier's cycle: from the end of its previous verify (or this one's submission, after idle)
         # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
         record.step_ms = (t_end - max(self._last_end, task.submitted_wall)) * 1e3
-        # < 0: launched while the previous task still ran on the device (verifier_overlap)
+        # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = t_end
         record.host_ms = (now - t_arrived) * 1e3
@@ -455,11 +453,6 @@ class BatchManager:
             kept = commit_tokens(live, live_tokens, live_logprobs if logprobs is not None else None, live_drafts)
             self._emit(live, kept)
 
-    def _take_seq(self) -> int:
-        """The next verifier task's number: the verifier launches its tasks in this order."""
-        self._seq += 1
-        return self._seq
-
     def _num_logprobs(self, requests: list[Request]) -> int:
         return max(r.params.logprobs or 0 for r in requests)
 
@@ -473,11 +466,10 @@ class BatchManager:
         if new:
             for r in new:
                 r.inflight, r.prefilling = 1, True
-            seq = self._take_seq()
             self.inflight.append(_Task(
                 "prefill", None, new, self.verifier.prefill.remote(
-                    seq, [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
-                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter(), seq=seq))
+                    [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
+                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter()))
             self._place(new, committed)
         self._rebalance(committed)
         order = [committed, 1 - committed] if committed is not None else [0, 1]
@@ -522,15 +514,15 @@ class BatchManager:
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter(), seq=self._take_seq())
+                     submitted=time.perf_counter())
         if regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
+            task.ref = self.verifier.step.remote(slots, self.k, nlp)
         elif drafted:
             drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, drafts_ref, index, nlp)
+            task.ref = self.verifier.verify.remote(slots, drafts_ref, index, nlp)
         else:
-            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
+            task.ref = self.verifier.verify.remote(slots, None, None, nlp)
         for r in rows:
             r.inflight += 1
         self.counters["queued_behind"] += self.queued[b] > 0

@@ -6,8 +6,6 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
 import os
@@ -21,7 +19,7 @@ from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingBatch, SamplingParams
-from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
+from ..engine.spec import Drafter, DraftRow, Verifier
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -146,15 +144,7 @@ class SlotState:
 
 class VerifierWorker(_Worker):
     """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
-    verifiers would replace this actor behind the same three methods (prefill, verify, ready).
-
-    An async actor that keeps its device fed. The manager numbers its tasks (prefill, verify, step) 0, 1,
-    2, ... and they launch their kernels strictly in that order: everything a step reads (slot state, KV
-    lengths) lives on the device, so stream order is all the correctness needs. With `verifier_overlap` a
-    task hands the launch turn on as soon as its kernels and result copies are queued and waits for them
-    while the next task, already queued, decodes its arguments and launches behind it: the per-task Ray
-    turnaround and host work overlap device time instead of following it. Without it a task keeps the
-    turn until its results are on the host (one task at a time, like a plain actor)."""
+    verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
@@ -162,86 +152,35 @@ class VerifierWorker(_Worker):
         self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
                                  self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
-        self._next_seq = 0                           # the task whose turn it is to launch
-        self._turns: dict[int, asyncio.Future] = {}  # tasks that arrived before their turn
 
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
         self.bench = bench or {}
         self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
-    @contextlib.asynccontextmanager
-    async def _turn(self, seq: int):
-        """Hold the launch turn of task `seq`. A task whose argument failed (its drafts) never runs, and the
-        manager resubmits it under the same number, so later tasks wait for the resubmission."""
-        if seq < self._next_seq:
-            raise RuntimeError(f"verifier task {seq} arrived after its turn ({self._next_seq})")
-        if seq != self._next_seq:
-            turn = self._turns.setdefault(seq, asyncio.get_running_loop().create_future())
-            try:
-                await asyncio.wait_for(turn, self.config.step_timeout_s)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"verifier task {seq} waited {self.config.step_timeout_s:.0f} s for task "
-                                   f"{self._next_seq}") from None
-        try:
-            yield time.time()
-        finally:
-            self._next_seq = seq + 1
-            self._turns.pop(seq, None)
-            following = self._turns.get(self._next_seq)
-            if following is not None and not following.done():
-                following.set_result(None)
-
-    async def _landed(self, timer: StepTimer) -> None:
-        """Until the work queued before timer's end event is done; the event loop stays free meanwhile
-        (a blocking wait would hold back the next task's launch)."""
-        if timer.cuda:
-            while not timer.end.query():
-                await asyncio.sleep(0)
-
-    async def _run(self, seq: int, launch):
-        """Run `launch` (queues a step's kernels, returns (VerifyResult, StepTimer)) in turn `seq`, then wait
-        for its results -> (tokens, logprobs, device ms, wall time the turn began, wall time at the end)."""
-        async with self._turn(seq) as t_launch:
-            result, timer = launch()
-            if not self.config.verifier_overlap:
-                await self._landed(timer)
-        await self._landed(timer)
-        tokens, logprobs = result.to_host()
-        return tokens, logprobs, timer.ms, t_launch, time.time()
-
-    async def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[tuple],
-                      num_logprobs: int):
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
         """Start requests: prompt KV, first token, and the slot state later verify steps read."""
-        def launch():
-            with StepTimer(self.device) as timer:
-                batch = sampling_batch(sampling, self.device)
-                result = self._prefill_models(slots, prompts, batch, num_logprobs)
-                slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-                self.state.start(slots, slot_t, batch, result.tokens[:, 0], prompts)
-                host = result.copy_to_host()
-            return host, timer
-        tokens, logprobs, ms, _, _ = await self._run(seq, launch)
-        return tokens, logprobs, ms
+        with StepTimer(self.device) as timer:
+            batch = sampling_batch(sampling, self.device)
+            result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.state.start(slots, slot_t, batch, result.tokens[:, 0], prompts)
+            tokens, logprobs = result.to_host()
+        return tokens, logprobs, timer.ms
 
-    def _prefill_models(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
-        return self.verifier.prefill(slots, prompts, batch, num_logprobs)
-
-    async def verify(self, seq: int, slots: list[int], drafts: dict | None, draft_index: list[int] | None,
-                     num_logprobs: int):
+    def verify(self, slots: list[int], drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
         drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
-        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
-        -> (tokens, logprobs, device ms, wall time of launch, wall time of the end)."""
-        def launch():
-            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            return self._launch_verify(slots, slot_t, drafts, draft_index, num_logprobs)
-        return await self._run(seq, launch)
+        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
+        t_launch = time.time()
+        slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._verify(slots, slot_t, drafts, draft_index, num_logprobs, t_launch)
 
-    def _launch_verify(self, slots: list[int], slot_t: torch.Tensor, drafts, draft_index,
-                       num_logprobs: int) -> tuple[VerifyResult, StepTimer]:
-        # slot_t: slots [B] on the device
+    def _verify(self, slots: list[int], slot_t: torch.Tensor, drafts, draft_index, num_logprobs: int,
+                t_launch: float):
+        """-> (tokens, logprobs, device ms, wall time the task began, wall time at its end); slot_t: slots [B]
+        on the device. Wall times are on the manager's host: step times are measured where the work runs."""
         with StepTimer(self.device) as timer:
             last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
             batch = self.state.sampling.select(slots, slot_t)
@@ -249,8 +188,8 @@ class VerifierWorker(_Worker):
             result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
                                           num_logprobs)
             self.state.advance(slot_t, result.tokens, result.num_emitted)
-            host = result.copy_to_host()
-        return host, timer
+            tokens, logprobs = result.to_host()
+        return tokens, logprobs, timer.ms, t_launch, time.time()
 
     def _gather_drafts(self, drafts, draft_index, batch):
         if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
@@ -295,23 +234,21 @@ class SpecWorker(VerifierWorker):
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
-    def _prefill_models(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
-        self.drafter.prefill(slots, prompts)
-        return super()._prefill_models(slots, prompts, batch, num_logprobs)
+    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
+        with StepTimer(self.device) as timer:
+            self.drafter.prefill(slots, prompts)
+        tokens, logprobs, ms = super().prefill(slots, prompts, sampling, num_logprobs)
+        return tokens, logprobs, ms + timer.ms
 
-    async def step(self, seq: int, slots: list[int], k: int, num_logprobs: int):
-        """Draft k tokens for every slot from the slot state, then verify them.
-        -> (tokens, logprobs, draft device ms, verify device ms, wall time of launch, wall time of the end)."""
-        state, timers = self.state, {}
-
-        def launch():
-            with StepTimer(self.device) as timers["draft"]:
-                slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-                last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
-                ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
-                                                        state.sampling.seed[slot_t], state.position[slot_t])
-            return self._launch_verify(slots, slot_t, {"ids": ids, "probs": probs}, list(range(len(slots))),
-                                       num_logprobs)
-        tokens, logprobs, t_verify, t_launch, t_end = await self._run(seq, launch)
-        # the draft timer is read only now: reading it waits for its work, which would stall the verify launch
-        return tokens, logprobs, timers["draft"].ms, t_verify, t_launch, t_end
+    def step(self, slots: list[int], k: int, num_logprobs: int):
+        """Draft k tokens for every slot from the slot state, then verify them."""
+        state, t_launch = self.state, time.time()
+        with StepTimer(self.device) as draft_timer:
+            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
+            ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
+                                                    state.sampling.seed[slot_t], state.position[slot_t])
+        tokens, logprobs, t_verify, t_launch, t_end = self._verify(
+            slots, slot_t, {"ids": ids, "probs": probs}, list(range(len(slots))), num_logprobs, t_launch)
+        # read the draft timer only now: reading it syncs, which would stall the verify launch
+        return tokens, logprobs, draft_timer.ms, t_verify, t_launch, t_end
