@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     transport: Literal["object_store"] = Field("object_store", description="draft channel (docs/transport.md)")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
+    psd_low_load: Literal["auto", "psd", "seq"] = Field(
+        "auto", description="psd at loads one batch holds (<= max_batch running): measure psd's and one "
+        "sequential batch's per-request cadence and run the faster (auto), or force one")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")

@@ -39,6 +39,7 @@ from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..observability.metrics import EngineMetrics, request_status
 from .placement import actor_options, create_placement_group
+from .regime import RegimeChooser
 from .transport import make_channel
 
 log = logging.getLogger("minedraft.runtime")
@@ -80,6 +81,7 @@ class StepRecord:
     step_ms: float = 0.0
     host_ms: float = 0.0             # manager time in the step not spent waiting on actors
     launch_gap_ms: float = 0.0       # verifier: start of this task - end of the previous verify
+    cadence_ms: float | None = None  # end of the batch's previous verify -> end of this one (a request's period)
     emitted: int = 0
     accepted: int = 0
     draft_tokens: int = 0
@@ -101,6 +103,7 @@ class _Task:
     admitted: int = 0
     submitted: float = 0.0
     submitted_wall: float = field(default_factory=time.time)
+    low_load: bool = False           # submitted while one batch held every running request
 
 
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -149,6 +152,9 @@ class BatchManager:
         self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
+        self._batch_end = [(0.0, -10, ""), (0.0, -10, "")]   # per batch: (end of its latest verify, step, regime)
+        self.chooser = RegimeChooser()                 # psd or one sequential batch at low load
+        self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
@@ -322,7 +328,8 @@ class BatchManager:
                 "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters,
-                "recent_steps": self.recent_steps()}
+                "recent_steps": self.recent_steps(),
+                **({"low_load_regime": self.chooser.info()} if self.mode == "psd" else {})}
 
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
@@ -425,10 +432,13 @@ class BatchManager:
         self.queued[task.batch] -= 1
         self._schedule(task.batch)
         record.sizes = (len(self.batches[0]), len(self.batches[1]))
+        if self.mode == "psd":
+            record.extra["one_batch"] = self.one_batch   # the balance invariant is psd's, not this chain's
         now = time.perf_counter()
         # the verifier's cycle: from the end of its previous verify (or this one's submission, after idle)
         # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
         record.step_ms = (t_end - max(self._last_end, task.submitted_wall)) * 1e3
+        self._observe_cadence(task, record, t_end)
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = t_end
@@ -437,6 +447,21 @@ class BatchManager:
         self.history.append(record)
         for listener in self.step_listeners:
             listener(record)
+
+    def _observe_cadence(self, task: _Task, record: StepRecord, t_end: float) -> None:
+        """A request's period in this batch: its previous verify's end to this one's, when the chain ran
+        unbroken in one regime (at most the other batch's verify in between) at a load one batch holds."""
+        step = self.counters["steps"]
+        prev_end, prev_step, prev_regime = self._batch_end[task.batch]
+        self._batch_end[task.batch] = (t_end, step, task.regime)
+        if prev_regime == task.regime and step - prev_step <= 2 and task.regime in ("psd", "seq"):
+            record.cadence_ms = (t_end - prev_end) * 1e3
+            if task.low_load and not task.admitted and self.mode == "psd":
+                self.chooser.observe(task.regime, record.cadence_ms, step)
+
+    def _low_load_regime(self) -> str:
+        policy = self.config.psd_low_load
+        return self.chooser.choose(self.counters["steps"]) if policy == "auto" else policy
 
     def _commit(self, task: _Task, tokens: list[list[int]], logprobs) -> None:
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
@@ -514,7 +539,7 @@ class BatchManager:
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter())
+                     submitted=time.perf_counter(), low_load=self._num_running() <= self.config.max_batch)
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(slots, self.k, nlp)
@@ -565,17 +590,21 @@ class BatchManager:
         """psd: keep | |A| - |B| | <= 1 by moving requests to the smaller batch, preferring requests
         with nothing in flight (a request moved out of a verify in flight skips a step). Below
         psd_min_requests everyone goes to one batch: a sequential chain (psd would move each request
-        only every other step)."""
+        only every other step); so it does while one batch holds every running request and the measured
+        cadences favour it (psd_low_load, regime.py)."""
         if self.mode != "psd":
             return
         total = self._num_running()
-        if total < self.config.psd_min_requests:
+        if total < self.config.psd_min_requests or (total <= self.config.max_batch
+                                                    and self._low_load_regime() == "seq"):
+            self.one_batch = True
             keep = 0 if len(self.batches[0]) >= len(self.batches[1]) else 1
             if self.batches[1 - keep]:
                 self.counters["moves"] += len(self.batches[1 - keep])
                 self.batches[keep] += self.batches[1 - keep]
                 self.batches[1 - keep] = []
             return
+        self.one_batch = False
         while abs(len(self.batches[0]) - len(self.batches[1])) > 1:
             big = 0 if len(self.batches[0]) > len(self.batches[1]) else 1
             batch = self.batches[big]

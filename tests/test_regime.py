@@ -1,0 +1,37 @@
+"""The low-load regime choice of psd (runtime/regime.py): measure both, run the faster, re-measure."""
+from minedraft_ray.runtime.regime import RegimeChooser
+
+
+def feed(chooser, step, cadences):
+    """Run the chooser for steps, feeding the chosen regime's cadence; returns (next step, regimes run)."""
+    regimes = []
+    for _ in range(cadences["n"]):
+        regime = chooser.choose(step)
+        regimes.append(regime)
+        chooser.observe(regime, cadences[regime], step)
+        step += 1
+    return step, regimes
+
+
+def test_measures_psd_then_seq_then_runs_the_faster():
+    chooser = RegimeChooser(explore_every=100, explore_steps=4)
+    step, regimes = feed(chooser, 0, {"psd": 20.0, "seq": 12.0, "n": 30})
+    assert regimes[:4] == ["psd"] * 4 and regimes[4:8] == ["seq"] * 4
+    assert set(regimes[8:]) == {"seq"}
+    assert abs(chooser.cadence_ms["psd"] - 20.0) < 1e-9 and abs(chooser.cadence_ms["seq"] - 12.0) < 1e-9
+
+
+def test_switches_back_when_a_re_measurement_says_so():
+    chooser = RegimeChooser(explore_every=50, explore_steps=4, smoothing=1.0)
+    step, _ = feed(chooser, 0, {"psd": 20.0, "seq": 12.0, "n": 20})
+    assert chooser.current == "seq"
+    # the pair got slower to draft: sequential steps now take longer than two psd verifies
+    step, regimes = feed(chooser, step, {"psd": 20.0, "seq": 30.0, "n": 120})
+    assert "psd" in regimes[:60]             # psd re-measured within explore_every steps
+    assert regimes[-1] == "psd" and chooser.current == "psd"
+
+
+def test_no_flapping_within_the_margin():
+    chooser = RegimeChooser(explore_every=10**6, explore_steps=3, margin=0.05)
+    _, regimes = feed(chooser, 0, {"psd": 10.0, "seq": 9.8, "n": 40})   # seq 2 % faster: keep psd
+    assert set(regimes[6:]) == {"psd"}
