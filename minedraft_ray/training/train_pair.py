@@ -628,6 +628,9 @@ def write_report(path: Path, m: dict) -> None:
     if at_goal:
         lines += ["", f"Goal acceptance_length ≥ {goal} at k={goal_k}: "
                   f"{'met' if at_goal['acceptance_length'] >= goal else 'NOT met'} ({at_goal['acceptance_length']:.3f})."]
+    lines += ["", "## Speed-up of sd and psd over ar", "",
+              "Measured through the runtime by `python -m bench.default_pair_speed` (on a GPU machine: "
+              "bench/results/default_pair_speed_gpu.md; CPU rows, informational: default_pair_speed_cpu.md)."]
     sz = m["sizes"]
     lines += ["", "## Shipped files", "", "| file | bytes |", "|---|---:|"]
     lines += [f"| {f} | {b:,} |" for f, b in sz["files"].items()]
