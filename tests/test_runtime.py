@@ -282,6 +282,35 @@ def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_ll
     assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("interval_ms", [0.0, 150.0])
+def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                   reference, interval_ms):
+    """Streamed outputs come at most one per stream_interval_ms (each costs a Ray hop per request); the
+    first tokens and the finish are not held back, and the tokens are the same."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=2, max_batch=2, torch_threads=1,
+              stream_interval_ms=interval_ms)
+
+    async def main():
+        t0, items = time.perf_counter(), []
+        async for out in llm.stream(PROMPTS[1], greedy(LENGTHS[1])):
+            items.append((time.perf_counter() - t0, out))
+        return items
+
+    try:
+        items = asyncio.run(main())
+        tokens = [t for _, out in items for t in out.new_token_ids]
+        assert tokens == reference[1].token_ids and items[-1][1].finished
+        steps = len([h for h in llm.history() if h.regime == "sd"])
+        if interval_ms:
+            gaps = [b - a for (a, _), (b, _) in zip(items[:-2], items[1:-1])]   # the last may come early
+            assert all(g >= 0.6 * interval_ms / 1e3 for g in gaps), gaps   # merged (steps are ~10 ms here)
+            assert len(items) < steps
+        else:
+            assert len(items) >= steps - 1    # one output per step
+    finally:
+        llm.shutdown()
+
+
 def test_outputs_queued_for_a_slow_consumer_are_merged():
     from minedraft_ray.runtime.manager import StepOutput, _merged
     a = StepOutput("r", [1, 2], [{"token_id": 1}, {"token_id": 2}])

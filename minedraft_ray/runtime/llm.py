@@ -38,7 +38,7 @@ class ManagerActor:
     async def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
         async def one(prompt, p):
             ids, logprobs, last = [], [], None
-            async for out in self.manager.generate(prompt, p, bounded=False):
+            async for out in self.manager.generate(prompt, p, bounded=False, interval_s=0.0):
                 ids += out.new_token_ids
                 logprobs += out.logprobs or []
                 last = out

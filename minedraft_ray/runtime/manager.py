@@ -229,11 +229,15 @@ class BatchManager:
         return Request(prompt_ids, params, self.eos_token_ids, request_id)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       bounded: bool = True):
+                       bounded: bool = True, interval_s: float | None = None):
         """Async iterator of StepOutput for one request; closing it early aborts the request.
 
         bounded: refuse the request (EngineOverloadedError) when the queue is full; offline batch
-        generation passes False, since it submits its whole workload at once by design."""
+        generation passes False, since it submits its whole workload at once by design.
+        interval_s: least time between two outputs (default: config.stream_interval_ms). Each output a
+        stream hands over costs a Ray hop per request (Serve, LLM.stream): at a step every few ms that cost
+        rivals the step's, so outputs within the interval are merged. The first output and the last one
+        (finished) go out at once, so TTFT and latency do not change; in-process callers pass 0."""
         if self.dead:
             raise EngineDeadError(self.dead)
         capacity = self.config.max_queued + max(self.config.max_running - self._num_running(), 0)
@@ -247,15 +251,26 @@ class BatchManager:
         self.requests[r.id] = r
         self.waiting.append(r)
         self._wake.set()
+        interval = self.config.stream_interval_ms / 1e3 if interval_s is None else interval_s
+        last = None   # when the previous output went out
         try:
             while True:
                 out: StepOutput = await r.queue.get()
-                while not out.finished and not r.queue.empty():
-                    # the consumer fell behind (a Serve stream pays per item): hand over what is queued at once
-                    out = _merged(out, r.queue.get_nowait())
+                while not out.finished:
+                    if not r.queue.empty():   # the consumer fell behind: hand over what is queued at once
+                        out = _merged(out, r.queue.get_nowait())
+                        continue
+                    wait = 0.0 if last is None else last + interval - time.perf_counter()
+                    if wait <= 0:
+                        break
+                    try:
+                        out = _merged(out, await asyncio.wait_for(r.queue.get(), wait))
+                    except asyncio.TimeoutError:
+                        break
                 if out.error:
                     raise EngineDeadError(out.error)
                 yield out
+                last = time.perf_counter()
                 if out.finished:
                     return
         finally:
