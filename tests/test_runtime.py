@@ -80,6 +80,8 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
             assert any(h.regime == "psd" for h in history)
             check_balance(history, max_batch=3)
             assert llm.info()["balance_violations"] == 0
+        # psd and sd_split prefill the drafter beside the verifier (sd's worker prefills both itself)
+        assert (llm.info()["drafter_prefills"] > 0) == (mode in ("psd", "sd_split")), llm.info()
         # sd and ar build steps from the verifier's slot state, so the next one is queued behind the running one
         assert (llm.info()["queued_behind"] > 0) == (mode in ("sd", "ar")), llm.info()
         assert settled(llm)["slots_in_use"] == 0

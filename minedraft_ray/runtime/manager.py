@@ -159,7 +159,8 @@ class BatchManager:
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
                          "moves": 0, "aborted": 0, "finished": 0,
-                         "queued_behind": 0}  # verifies submitted while one of the same batch was in flight
+                         # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
+                         "queued_behind": 0, "drafter_prefills": 0}
         self.verifier = self.drafter = None
         self.drafter_alive = False
         self.dead: str | None = None
@@ -510,6 +511,7 @@ class BatchManager:
                 "prefill", None, new, self.verifier.prefill.remote(
                     [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
                     self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter()))
+            self._prefill_drafter(new)
             self._place(new, committed)
         self._rebalance(committed)
         order = [committed, 1 - committed] if committed is not None else [0, 1]
@@ -518,6 +520,25 @@ class BatchManager:
             while self.queued[b] < self.depth and self.batches[b] and self._submit_verify(b, admitted):
                 admitted = 0
         return len(new)
+
+    def _prefill_drafter(self, new: list[Request]) -> None:
+        """psd, sd_split: the drafter (its own GPU) takes the new prompts while the verifier prefills them, so
+        their first draft round feeds two tokens instead of the whole prompt (that catch-up was on the
+        critical path: sd_split's median draft took 14 ms instead of 3.4 under Poisson arrivals)."""
+        if self.mode not in ("psd", "sd_split") or not self.drafter_alive or self.drafter is None:
+            return
+        ref = self.drafter.prefill.remote([r.slot for r in new], [r.prompt_ids for r in new])
+        self.counters["drafter_prefills"] += 1
+        for r in new:
+            r.draft_valid = len(r.prompt_ids)   # the drafter runs its tasks in order: before any draft of r
+        asyncio.get_running_loop().create_task(self._watch_drafter_prefill(ref))
+
+    async def _watch_drafter_prefill(self, ref) -> None:
+        # a failure here is the drafter's: serve ar and restart it (the restart resets draft_valid)
+        try:
+            await self._get(ref, "drafter prefill")
+        except Exception as e:
+            self._drafter_down(e)
 
     def _admit(self) -> list[Request]:
         new = []

@@ -213,6 +213,13 @@ class DrafterWorker(_Worker):
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> float:
+        """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
+        -> device ms."""
+        with StepTimer(self.device) as timer:
+            self.drafter.prefill(slots, prompts)
+        return timer.ms
+
     def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
         """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
         with StepTimer(self.device) as timer:
