@@ -264,10 +264,17 @@ class BatchManager:
                     wait = 0.0 if last is None else last + interval - time.perf_counter()
                     if wait <= 0:
                         break
+                    # not asyncio.wait_for: when the stream is cancelled just as an output arrives, it returns
+                    # the output and swallows the cancellation, and the request would never be aborted
+                    getter = asyncio.ensure_future(r.queue.get())
                     try:
-                        out = _merged(out, await asyncio.wait_for(r.queue.get(), wait))
-                    except asyncio.TimeoutError:
+                        await asyncio.wait((getter,), timeout=wait)
+                    finally:
+                        if not getter.done():
+                            getter.cancel()   # an output that was on its way stays in the queue
+                    if not getter.done() or getter.cancelled():
                         break
+                    out = _merged(out, getter.result())
                 if out.error:
                     raise EngineDeadError(out.error)
                 yield out
