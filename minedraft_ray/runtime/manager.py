@@ -152,7 +152,9 @@ class BatchManager:
         self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
-        self._batch_end = [(0.0, -10, ""), (0.0, -10, "")]   # per batch: (end of its latest verify, step, regime)
+        # per batch: (end of its latest verify, step, regime, prefills done by then)
+        self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
+        self._prefills_done = 0
         self.chooser = RegimeChooser()                 # psd or one sequential batch at low load
         self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
@@ -435,6 +437,7 @@ class BatchManager:
         t_arrived = time.perf_counter()
         self.inflight.popleft()
         if task.kind == "prefill":
+            self._prefills_done += 1
             tokens, logprobs, ms = result
             self._prefill_ms += ms
             for r in task.requests:
@@ -473,13 +476,14 @@ class BatchManager:
 
     def _observe_cadence(self, task: _Task, record: StepRecord, t_end: float) -> None:
         """A request's period in this batch: its previous verify's end to this one's, when the chain ran
-        unbroken in one regime (at most the other batch's verify in between) at a load one batch holds."""
+        unbroken in one regime (at most the other batch's verify in between) at a load one batch holds.
+        Periods with a prefill inside are not compared (either regime pays for arrivals the same)."""
         step = self.counters["steps"]
-        prev_end, prev_step, prev_regime = self._batch_end[task.batch]
-        self._batch_end[task.batch] = (t_end, step, task.regime)
+        prev_end, prev_step, prev_regime, prev_prefills = self._batch_end[task.batch]
+        self._batch_end[task.batch] = (t_end, step, task.regime, self._prefills_done)
         if prev_regime == task.regime and step - prev_step <= 2 and task.regime in ("psd", "seq"):
             record.cadence_ms = (t_end - prev_end) * 1e3
-            if task.low_load and not task.admitted and self.mode == "psd":
+            if task.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
                 self.chooser.observe(task.regime, record.cadence_ms, step)
 
     def _low_load_regime(self) -> str:
