@@ -339,7 +339,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
             "step_ms": float(np.median([r.step_ms for r in steps])),
             "verifier_busy": float(np.mean(busy)),
             "ray_overhead_ms": float(np.median([r.step_ms - c for r, c in zip(steps, critical)])),
-            "launch_gap_ms": float(np.median([getattr(r, "launch_gap_ms", 0.0) for r in steps])),
+            "launch_gap_ms": float(np.median([r.launch_gap_ms for r in steps])),
             "steady_steps": len(steps), "prefill_share": prefill_share}
 
 

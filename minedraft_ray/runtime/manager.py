@@ -169,7 +169,6 @@ class BatchManager:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
-        self._wait_ms = 0.0
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
         self.channel = make_channel(config.transport)
@@ -405,14 +404,11 @@ class BatchManager:
         return await ref
 
     async def _get(self, ref, what: str, timeout_s: float | None = None):
-        t0 = time.perf_counter()
         timeout_s = timeout_s or self.config.step_timeout_s
         try:
             return await asyncio.wait_for(self._await(ref), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
-        finally:
-            self._wait_ms += (time.perf_counter() - t0) * 1e3
 
     async def _verifier_result(self, ref, what: str):
         try:
@@ -422,7 +418,6 @@ class BatchManager:
 
     async def _complete(self, task: _Task) -> None:
         """Wait for the oldest verifier task, commit it, and (for a verify) continue its batch's chain."""
-        self._wait_ms = 0.0
         t_draft = 0.0
         if task.draft_ms_ref is not None:
             try:

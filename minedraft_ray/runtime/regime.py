@@ -44,11 +44,11 @@ class RegimeChooser:
             if step - self.last_sample[regime] > self.explore_every:
                 self.trial, self.samples[regime] = regime, 0
                 return regime
-        psd, seq = self.cadence_ms["psd"], self.cadence_ms["seq"]
+        # both measured (a regime never sampled is always stale)
         other = "seq" if self.current == "psd" else "psd"
         if self.cadence_ms[other] < self.cadence_ms[self.current] * (1 - self.margin):
             self.current = other
-        return self.current if psd is not None and seq is not None else "psd"
+        return self.current
 
     def info(self) -> dict:
         return {"current": self.current, "trial": self.trial,
