@@ -192,6 +192,33 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
         llm.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["psd", "sd_split"])
+def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_llama_draft, reference_10, mode):
+    """New prompts go to the drafter at admission, before any draft: with the drafter already dead, that
+    prefill is what fails (one-token requests never draft, so nothing else would notice). The engine
+    serves ar, restarts the drafter, and the output is still the target's."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1)
+    try:
+        assert ray.get(llm.manager.kill_drafter.remote())
+        outs = llm.generate(PROMPTS[:4], [greedy(1)] * 4)
+        assert [o.token_ids for o in outs] == [r.token_ids[:1] for r in reference_10[:4]]
+        deadline = time.time() + 30
+        while llm.info()["drafter_failures"] == 0 and time.time() < deadline:
+            time.sleep(0.1)
+        info = llm.info()
+        assert info["drafter_prefills"] >= 1 and info["drafter_failures"] == 1, info
+        outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:4]]
+        deadline = time.time() + 60
+        while not llm.info()["drafter_alive"] and time.time() < deadline:
+            time.sleep(0.2)
+        outs = llm.generate(PROMPTS[4:8], [greedy(10)] * 4)   # prompts prefilled on the restarted drafter
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[4:8]]
+        assert sum(o.stats["accepted"] for o in outs) > 0
+    finally:
+        llm.shutdown()
+
+
 def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft):
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30)
     try:
