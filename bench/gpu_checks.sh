@@ -11,7 +11,7 @@ S=$(date +%s)
 say() { echo "[$(( $(date +%s) - S )) s] $*"; }
 
 timeout 100 python -m pytest -q -p no:cacheprovider tests/test_attention_triton.py tests/test_rejection.py \
-  tests/test_sampling.py -k cuda > "$OUT/cuda_tests.log" 2>&1
+  tests/test_sampling.py tests/test_cuda_graphs.py -k cuda > "$OUT/cuda_tests.log" 2>&1
 rc=$?; say "cuda tests rc=$rc: $(tail -1 "$OUT/cuda_tests.log")"
 if [ $rc -ne 0 ]; then export MINEDRAFT_ROPE_KV_KERNEL=0; say "RoPE/KV kernel off for the rest"; fi
 

@@ -3,6 +3,10 @@
 `step` runs q tokens for a batch of slots. On CUDA it replays a CUDA graph captured per
 (batch bucket, q); rows padding a batch up to its bucket point at a scratch slot that no
 request owns, so the graph never needs to know how many rows are real.
+
+`prefill` of a few short prompts (what a server admits per step) replays a graph captured per
+(rows, padded length) too: run eagerly, such a forward is bound by the host launching ~10 kernels
+per layer, several times its device time. Larger prefills amortise that and stay eager.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward; bounds activation memory
+PREFILL_GRAPH_ROWS = (1, 2, 4)                # prompts per graphed prefill
+PREFILL_GRAPH_LENS = (32, 64, 128, 256, 512)  # padded prompt lengths of graphed prefills
 
 
 class ModelRunner:
@@ -32,6 +38,11 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
+        # (rows, padded length) -> graph; a padded prompt writes K/V rows up to its padded length
+        rows = self.cache.k[0].shape[1]
+        self.prefill_shapes = [(b, n) for b in PREFILL_GRAPH_ROWS for n in PREFILL_GRAPH_LENS
+                               if n <= rows and b <= max(max_batch, 1)] if self.use_graphs else []
+        self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
     # ---- model calls -------------------------------------------------------------------------
@@ -70,25 +81,40 @@ class ModelRunner:
     def _capture(self, bucket: int, q: int):
         bufs = {"slots": torch.full((bucket,), self.scratch_slot, dtype=torch.int64, device=self.device),
                 "input_ids": torch.zeros((bucket, q), dtype=torch.int64, device=self.device)}
+        return self._graph(bufs, lambda: self._forward(bufs["input_ids"], bufs["slots"])), bufs
+
+    def _capture_prefill(self, rows: int, length: int):
+        bufs = {"slots": torch.full((rows,), self.scratch_slot, dtype=torch.int64, device=self.device),
+                "input_ids": torch.zeros((rows, length), dtype=torch.int64, device=self.device),
+                "lens": torch.ones(rows, dtype=torch.int64, device=self.device)}
+        return self._graph(bufs, lambda: self._last_logits(bufs["input_ids"], bufs["slots"], bufs["lens"])), bufs
+
+    def _graph(self, bufs: dict, forward) -> torch.cuda.CUDAGraph:
+        """Capture forward() (after two warm-up runs) into bufs["logits"]. Every graph shares one memory
+        pool: outputs are valid until the next replay of any graph, which callers respect."""
         # the scratch slot's length stays 0, so warm-up writes land in its first rows only
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(bufs["input_ids"], bufs["slots"])
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            bufs["logits"] = self._forward(bufs["input_ids"], bufs["slots"])
-        return graph, bufs
+            bufs["logits"] = forward()
+        return graph
 
     @torch.inference_mode()
     def capture_all(self, qs: tuple[int, ...]) -> None:
-        """Capture every bucket for each q up front (largest first, so the shared pool is sized once)."""
+        """Capture every prefill shape and every bucket for each q up front (largest first, so the shared
+        pool is sized once)."""
         if not self.use_graphs:
             return
+        for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
+            if shape not in self._prefill_graphs:
+                self._prefill_graphs[shape] = self._capture_prefill(*shape)
         for q in qs:
             for bucket in reversed(self.buckets):
                 if (bucket, q) not in self._graphs:
@@ -115,23 +141,48 @@ class ModelRunner:
         return torch.cat(out, 0)
 
     def _extend_chunk(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
-        lens = [len(t) for t in token_lists]
-        longest = max(lens)
-        ids = torch.zeros((len(slots), longest), dtype=torch.int64)
+        ids, slot_t, lens_t = (t.to(self.device, non_blocking=True) for t in
+                               self._padded(slots, token_lists, len(slots), max(len(t) for t in token_lists)))
+        logits = self._last_logits(ids, slot_t, lens_t)
+        self.cache.lengths.index_add_(0, slot_t, lens_t)
+        return logits
+
+    def _padded(self, slots: list[int], token_lists: list[list[int]], rows: int, length: int):
+        """Host tensors: ids [rows, length] (zeros after each list), slots [rows] (padding rows at the
+        scratch slot), lens [rows] (1 for padding rows)."""
+        ids = torch.zeros((rows, length), dtype=torch.int64)
         for row, toks in enumerate(token_lists):
             ids[row, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        ids = ids.to(self.device, non_blocking=True)
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, self.cache, slot_t)                                  # [B, L, H]
-        last = hidden[torch.arange(len(slots), device=self.device), lens_t - 1]      # [B, H]
-        self.cache.lengths.index_add_(0, slot_t, lens_t)
+        slot_t = torch.full((rows,), self.scratch_slot, dtype=torch.int64)
+        slot_t[:len(slots)] = torch.tensor(slots, dtype=torch.int64)
+        lens_t = torch.ones(rows, dtype=torch.int64)
+        lens_t[:len(slots)] = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
+        return ids, slot_t, lens_t
+
+    def _last_logits(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        # ids [B, L], slots [B], lens [B] (device) -> logits of each row's last real token [B, V] float32
+        hidden = self.model(ids, self.cache, slots)                                   # [B, L, H]
+        last = hidden[torch.arange(ids.shape[0], device=self.device), lens - 1]      # [B, H]
         return self.model.compute_logits(last)[..., :self.vocab]
 
+    @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Start fresh slots with their prompts: [B, V] logits of each prompt's last token."""
+        """Start fresh slots with their prompts: [B, V] logits of each prompt's last token (on CUDA a
+        graph's buffer when the prompts fit a captured shape: use it before the next step)."""
         self.set_lengths(slots, [0] * len(slots))
-        return self.extend(slots, prompts)
+        longest = max(len(p) for p in prompts)
+        fits = [(b, n) for b, n in self.prefill_shapes if b >= len(slots) and n >= longest]
+        if not fits:
+            return self.extend(slots, prompts)
+        shape = min(fits, key=lambda s: (s[0] * s[1], s[0]))
+        if shape not in self._prefill_graphs:
+            self._prefill_graphs[shape] = self._capture_prefill(*shape)
+        graph, bufs = self._prefill_graphs[shape]
+        for name, host in zip(("input_ids", "slots", "lens"), self._padded(slots, prompts, *shape)):
+            bufs[name].copy_(host, non_blocking=True)
+        graph.replay()
+        self.cache.lengths.index_add_(0, bufs["slots"][:len(slots)], bufs["lens"][:len(slots)])
+        return bufs["logits"][:len(slots)]
 
     # ---- lengths -------------------------------------------------------------------------------
     def set_lengths(self, slots, lengths) -> None:
