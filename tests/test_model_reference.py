@@ -101,3 +101,19 @@ def test_noised_draft_is_partly_accepted(tiny_llama, tiny_llama_draft):
     assert greedy_acceptance_rate(target, target, prompts[:1], steps=8) == 1.0
     rate = greedy_acceptance_rate(target, draft, prompts, steps=32)
     assert 0.3 <= rate <= 0.9, rate
+
+
+@torch.no_grad()
+def test_column_major_weights_match_transformers(pair):
+    """The runner keeps some projections column-major on CUDA (runner.TRANSPOSED_WEIGHTS); the model must
+    still compute the same function: checked here on the CPU with every linear weight relaid out."""
+    from minedraft_ray.engine.runner import relayout_weights_
+
+    model, hf = pair
+    relayout_weights_(model, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"))
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert weights and not any(w.is_contiguous() for w in weights)
+    prompt = _random_ids(9, seed=5)
+    cache = model.make_cache(num_slots=1, max_len=16)
+    logits = model.compute_logits(model(torch.tensor([prompt]), cache, torch.tensor([0])))[0]
+    torch.testing.assert_close(logits, _hf_logits(hf, prompt), atol=ATOL, rtol=0)

@@ -167,6 +167,9 @@ def rope_cos_sin(cfg: ModelConfig, device=None) -> torch.Tensor:
 FUSE_ON_CUDA = True
 # MINEDRAFT_ROPE_KV_KERNEL=0 keeps the fused elementwise ops but writes K/V through the torch path
 ROPE_KV_KERNEL = os.environ.get("MINEDRAFT_ROPE_KV_KERNEL", "1") != "0"
+# None: torch.compile's automatic dynamic shapes, so only the token count N turns symbolic (on the second
+# shape seen) and feature sizes stay constants in the kernels; True: every dim symbolic
+FUSE_DYNAMIC: bool | None = None
 
 
 def _fused_on_cuda(fn):
@@ -177,7 +180,7 @@ def _fused_on_cuda(fn):
         if not (x.is_cuda and FUSE_ON_CUDA):
             return fn(x, *args)
         if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
+            compiled = torch.compile(fn, dynamic=FUSE_DYNAMIC)
         return compiled(x, *args)
 
     return dispatch

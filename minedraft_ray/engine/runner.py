@@ -19,8 +19,26 @@ from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward; bounds activation memory
-PREFILL_GRAPH_ROWS = (1, 2, 4)                # prompts per graphed prefill
-PREFILL_GRAPH_LENS = (32, 64, 128, 256, 512)  # padded prompt lengths of graphed prefills
+# projections whose weight is kept column-major on CUDA (x @ W.T reads a contiguous [in, out] matrix): cuBLAS
+# runs them 5% faster in a batch-64 decode and no slower in a k=4 verify; qkv and down are not faster so
+# (bench/results/gemm_sweep.md)
+TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
+# Graphed prefills: prompts per call x padded length, up to PREFILL_GRAPH_TOKENS padded tokens. On an H200 an
+# eager 8B prefill of 1-4 prompts takes ~20 ms of host launches whatever their length; a graph takes its
+# device time (5.5 ms for 64 tokens, 8.3 for 192), which passes 20 ms at ~1000 tokens
+# (bench/results/prefill_speed.md). Lengths step by 1.5x-2x to bound the padding.
+PREFILL_GRAPH_ROWS = (1, 2, 4)
+PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+PREFILL_GRAPH_TOKENS = 1024
+
+
+@torch.no_grad()
+def relayout_weights_(model: Transformer, names: tuple[str, ...]) -> None:
+    """Store the named nn.Linear weights column-major: same [out, in] values and shape (loading, state
+    dicts and F.linear are unchanged), but F.linear's GEMM then reads the [in, out] matrix contiguously."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in names and module.weight.is_contiguous():
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 class ModelRunner:
@@ -28,6 +46,8 @@ class ModelRunner:
                  max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None):
         self.model, self.device = model, torch.device(device)
         self.cfg = model.cfg
+        if self.device.type == "cuda":
+            relayout_weights_(model, TRANSPOSED_WEIGHTS)
         self.max_len, self.max_batch = max_len, max_batch
         self.vocab = min(vocab_limit or self.cfg.vocab_size, self.cfg.vocab_size)
         # one extra slot: the scratch slot that padding rows write into
@@ -41,7 +61,8 @@ class ModelRunner:
         # (rows, padded length) -> graph; a padded prompt writes K/V rows up to its padded length
         rows = self.cache.k[0].shape[1]
         self.prefill_shapes = [(b, n) for b in PREFILL_GRAPH_ROWS for n in PREFILL_GRAPH_LENS
-                               if n <= rows and b <= max(max_batch, 1)] if self.use_graphs else []
+                               if n <= rows and b <= max(max_batch, 1) and b * n <= PREFILL_GRAPH_TOKENS
+                               ] if self.use_graphs else []
         self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
