@@ -52,7 +52,7 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
 # what ran, beyond the required columns: enough to tell scaled-down or partial configurations apart
 EXTRA_COLUMNS = ["part", "status", "note", "alpha_group", "batch", "replicas", "in_flight", "n_requests", "completed",
                  "max_tokens", "prompt_len", "temperature", "load", "duration_s", "acceptance_rate",
-                 "acceptance_length", "steady_steps", "prefill_share", "launch_gap_ms", "build_s",
+                 "acceptance_length", "steady_steps", "prefill_share", "seq_share", "launch_gap_ms", "build_s",
                  "run_s", "models"]
 STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
            "prompt_len", "models"}
@@ -63,7 +63,7 @@ TABLE_COLUMNS = ["part", "mode", "m", "batch", "k", "alpha", "n_gpus", "in_fligh
                  "t_verify_ms", "step_ms", "verifier_busy", "ray_overhead_ms", "acceptance_length"]
 ONLINE_TABLE_COLUMNS = ["mode", "load", "rate_rps", "k", "n_gpus", "n_requests", "completed", "tokens_per_s",
                         "lat_mean_s", "lat_p50_s", "lat_p99_s", "ttft_mean_s", "ttft_p99_s", "step_ms",
-                        "verifier_busy", "ray_overhead_ms", "prefill_share"]
+                        "verifier_busy", "ray_overhead_ms", "prefill_share", "seq_share"]
 GPUS_PER_REPLICA = {"psd": 2, "sd_split": 2, "sd": 1, "ar": 1}
 MAIN_REGIME = {"psd": "psd", "sd_split": "seq", "sd": "sd", "ar": "ar"}
 EDGE_FRACTION = 0.05  # steps dropped at each end of a run before steady-state statistics
@@ -324,6 +324,8 @@ def steady_stats(histories: list[list], mode: str) -> dict:
     every = [r for history in histories for r in history]
     wall = sum(r.step_ms for r in every)
     prefill_share = sum(r.t_prefill_ms for r in every) / wall if wall else None
+    # psd: share of verify steps run as one sequential batch (the low-load regime choice, regime.py)
+    seq_share = sum(r.regime == "seq" for r in every) / len(every) if every and mode == "psd" else None
     for history in histories:
         cut = int(len(history) * EDGE_FRACTION)
         kept = [r for r in history[cut:len(history) - cut] if r.regime == MAIN_REGIME[mode] and not r.admitted]
@@ -331,7 +333,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
             busy.append(sum(r.t_verify_ms for r in kept) / sum(r.step_ms for r in kept))
         steps += kept
     if not steps:
-        return {"steady_steps": 0, "prefill_share": prefill_share}
+        return {"steady_steps": 0, "prefill_share": prefill_share, "seq_share": seq_share}
     sequential = mode != "psd"  # sd, sd_split: draft then verify; ar: verify only
     critical = [r.t_draft_ms + r.t_verify_ms if sequential else max(r.t_draft_ms, r.t_verify_ms) for r in steps]
     return {"t_draft_ms": float(np.median([r.t_draft_ms for r in steps])) if mode != "ar" else None,
@@ -340,7 +342,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
             "verifier_busy": float(np.mean(busy)),
             "ray_overhead_ms": float(np.median([r.step_ms - c for r, c in zip(steps, critical)])),
             "launch_gap_ms": float(np.median([r.launch_gap_ms for r in steps])),
-            "steady_steps": len(steps), "prefill_share": prefill_share}
+            "steady_steps": len(steps), "prefill_share": prefill_share, "seq_share": seq_share}
 
 
 def acceptance_stats(stats: list[dict]) -> dict:
