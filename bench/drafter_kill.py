@@ -78,12 +78,18 @@ def main(argv=None) -> int:
               for i in range(args.requests)]
     # fp32, so that greedy argmax ties between a verify's and a decode's kernels cannot split the outputs
     common = {"max_batch": 8, "dtype": "float32"}
+    t0 = time.time()
     ar = LLM(mode="ar", **common)
     try:
         reference = [o.token_ids for o in ar.generate(prompts, params)]
     finally:
         ar.shutdown()
-    results = [drill(mode, prompts, params, reference, common) for mode in args.modes.split(",")]
+    print(f"ar reference: {len(reference)} requests in {time.time() - t0:.1f} s (start-up included)", flush=True)
+    results = []
+    for mode in args.modes.split(","):   # each verdict printed as it comes: a run cut short still reports
+        t0 = time.time()
+        results.append({**drill(mode, prompts, params, reference, common), "seconds": round(time.time() - t0, 1)})
+        print(json.dumps(results[-1]), flush=True)
     summary = {"git_sha": git_sha(), "results": results, "passed": all(r["passed"] for r in results)}
     text = json.dumps(summary, indent=1)
     print(text)
