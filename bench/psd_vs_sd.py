@@ -1017,6 +1017,8 @@ def main(argv=None) -> int:
     p.add_argument("--k-psd", type=int, default=None, help="part 2: psd's k (default: best of part 1)")
     p.add_argument("--k-sd", type=int, default=None, help="part 2: sd's k (default: best of part 1)")
     p.add_argument("--transport", choices=["object_store"], default="object_store")
+    p.add_argument("--verifier-overlap", action="store_true",
+                   help="every engine with verifier_overlap (the threaded verifier launching ahead)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
@@ -1037,6 +1039,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     work = Path(tempfile.mkdtemp(prefix="psdb-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     setup = smoke_setup(args, work) if args.smoke else gpu_setup(args)
+    if args.verifier_overlap:
+        setup.engine["verifier_overlap"] = True
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]

@@ -89,6 +89,51 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
         llm.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["sd", "psd", "ar"])
+def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    """verifier_overlap: a threaded verifier whose tasks take turns launching in the manager's order. The output
+    is still ar's token for token, and every numbered task launched exactly once, in order."""
+    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
+              torch_threads=1, verifier_overlap=True)
+    try:
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager._seq))
+        verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
+        launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
+        assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
+        if mode == "psd":
+            check_balance(llm.history(), max_batch=3)
+    finally:
+        llm.shutdown()
+
+
+def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
+    import threading
+    from minedraft_ray.runtime.workers import LaunchOrder
+
+    order, launched = LaunchOrder(timeout_s=10), []
+
+    def task(seq):
+        with order.turn(seq):
+            launched.append(seq)
+
+    threads = [threading.Thread(target=task, args=(seq,)) for seq in (3, 1, 2, 0)]   # arrive out of order
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert launched == [0, 1, 2, 3] and order.next_seq == 4
+    order.timeout_s = 0.2
+    with pytest.raises(TimeoutError, match="task 6 waited .* for task 4"):   # task 4 never came
+        with order.turn(6):
+            pass
+    with pytest.raises(RuntimeError, match="arrived after its turn"):
+        with order.turn(2):
+            pass
+    assert order.next_seq == 4
+
+
 def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_draft, reference):
     # psd at every load (no low-load sequential batch): the balance invariant through arrivals, finishes, aborts
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_low_load="psd", torch_threads=1)
@@ -165,9 +210,11 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["psd", "sd_split"])
-def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode):
-    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1)
+@pytest.mark.parametrize("mode, overlap", [("psd", False), ("sd_split", False), ("psd", True)])
+def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode, overlap):
+    # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
+    # under its own number
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap)
     try:
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
@@ -365,10 +412,10 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [(0.0, 1.0, 0, s) for s in range(3)]
-    first, _, _ = state_worker.prefill(slots, prompts, greedy_rows, 0)
-    assert host_worker.prefill(slots, prompts, greedy_rows, 0)[0] == first
+    first, _, _ = state_worker.prefill(0, slots, prompts, greedy_rows, 0)
+    assert host_worker.prefill(0, slots, prompts, greedy_rows, 0)[0] == first
     sequences = [p + f for p, f in zip(prompts, first)]
-    for _ in range(3):   # a few sd steps: state path on one worker, host rows on the other
+    for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
         slot_t = torch.tensor(slots)
         ids_state, q_state = state_worker.drafter.draft_in_step(
@@ -381,7 +428,7 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
             assert torch.allclose(q_state, q_host, atol=1e-6)
         else:
             assert q_state is None and q_host is None
-        tokens, *_ = state_worker.step(slots, 3, 0)
+        tokens, *_ = state_worker.step(seq, slots, 3, 0)
         sequences = [seq + t for seq, t in zip(sequences, tokens)]
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]

@@ -104,6 +104,7 @@ class _Task:
     submitted: float = 0.0
     submitted_wall: float = field(default_factory=time.time)
     low_load: bool = False           # submitted while one batch held every running request
+    seq: int = -1                    # the verifier's launch order (workers.LaunchOrder)
 
 
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -149,6 +150,7 @@ class BatchManager:
         # step waits behind the running one and the manager's host work overlaps the device; psd and
         # sd_split draft from committed tokens on another actor, so they queue one (psd has two chains)
         self.depth = 2 if self.mode in ("sd", "ar") else 1
+        self._seq = 0                                  # verifier tasks numbered so far (_next_seq)
         self.queued = [0, 0]                           # verify tasks in flight per batch
         self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
@@ -182,12 +184,15 @@ class BatchManager:
             self._pg = await asyncio.to_thread(create_placement_group, self.mode)
             self._own_pg = True
         cfg = self.config.model_dump()
+        # overlap: a threaded verifier; a task waits for its turn in a thread of its own, and the tasks in
+        # flight at once are bounded by the batches' queue depths plus the prefills between them
+        threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
         if self.mode == "sd":
-            self.verifier = self._spec_cls.options(**actor_options(self._pg, self.mode, "spec")).remote(
+            self.verifier = self._spec_cls.options(**actor_options(self._pg, self.mode, "spec"), **threads).remote(
                 cfg, self.num_slots, self.bench)
         else:
-            self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier")).remote(
-                cfg, self.num_slots, self.bench)
+            self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier"),
+                                                       **threads).remote(cfg, self.num_slots, self.bench)
         waits = [self._get(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
@@ -425,7 +430,8 @@ class BatchManager:
             except Exception as e:
                 # the verify never ran (its drafts failed): run it again without drafts
                 self._drafter_down(e)
-                task.ref = self.verifier.verify.remote([r.slot for r in task.requests], None, None,
+                # under its own number: a task whose argument failed never ran, so its turn is still open
+                task.ref = self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
                                                        self._num_logprobs(task.requests))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
         result = await self._verifier_result(task.ref, task.kind)
@@ -513,10 +519,11 @@ class BatchManager:
         if new:
             for r in new:
                 r.inflight, r.prefilling = 1, True
+            seq = self._next_seq()
             self.inflight.append(_Task(
                 "prefill", None, new, self.verifier.prefill.remote(
-                    [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
-                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter()))
+                    seq, [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
+                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter(), seq=seq))
             self._prefill_drafter(new)
             self._place(new, committed)
         self._rebalance(committed)
@@ -581,21 +588,27 @@ class BatchManager:
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter(), low_load=self._num_running() <= self.config.max_batch)
+                     submitted=time.perf_counter(), low_load=self._num_running() <= self.config.max_batch,
+                     seq=self._next_seq())
         if regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(slots, self.k, nlp)
+            task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
         elif drafted:
             drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(slots, drafts_ref, index, nlp)
+            task.ref = self.verifier.verify.remote(task.seq, slots, drafts_ref, index, nlp)
         else:
-            task.ref = self.verifier.verify.remote(slots, None, None, nlp)
+            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
         for r in rows:
             r.inflight += 1
         self.counters["queued_behind"] += self.queued[b] > 0
         self.queued[b] += 1
         self.inflight.append(task)
         return True
+
+    def _next_seq(self) -> int:
+        """Number the next verifier task: the verifier launches its tasks' device work in this order."""
+        self._seq += 1
+        return self._seq - 1
 
     def _draft_args(self, batch: list[Request]) -> tuple:
         """(rows (slot, valid, catchup), k, seeds, output positions of the first drafts)."""

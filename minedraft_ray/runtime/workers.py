@@ -6,9 +6,11 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -19,7 +21,7 @@ from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingBatch, SamplingParams
-from ..engine.spec import Drafter, DraftRow, Verifier
+from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -61,6 +63,56 @@ class StepTimer:
             self.end.synchronize()
             return self.start.elapsed_time(self.end)
         return (self.t1 - self.t0) * 1e3
+
+
+def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A host list or tensor on `device`, queued without waiting: on CUDA the copy starts from pinned
+    memory, since a copy from pageable memory first waits for everything queued on the stream, which
+    would hold an overlapped step's launch back until the step before it has finished."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def stage_to_host(result: VerifyResult) -> VerifyResult:
+    """The result's tensors copied into pinned host memory, queued on the stream (CUDA; CPU tensors are
+    returned as they are): after the stream passes this point, `to_host` reads them without a sync that
+    would also wait for work queued behind it."""
+    if result.tokens.device.type != "cuda":
+        return result
+
+    def pinned(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    logprobs = tuple(pinned(t) for t in result.logprobs) if result.logprobs is not None else None
+    return VerifyResult(pinned(result.tokens), pinned(result.num_emitted), logprobs)
+
+
+class LaunchOrder:
+    """Tasks numbered 0, 1, 2, ... by the manager take turns launching device work in that order, whatever
+    order a threaded actor runs them in. Everything a step reads (slot state, KV lengths) lives on the
+    device, so launching in the manager's order is all that correctness needs; waiting for a step's results
+    happens after its turn, so the next task launches behind it while it runs."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.next_seq = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, seq: int):
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.next_seq >= seq, self.timeout_s):
+                raise TimeoutError(f"verifier task {seq} waited {self.timeout_s:.0f} s for task {self.next_seq}")
+            if self.next_seq > seq:
+                raise RuntimeError(f"verifier task {seq} arrived after its turn (next is {self.next_seq})")
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.next_seq = seq + 1
+                self._cond.notify_all()
 
 
 def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
@@ -144,7 +196,13 @@ class SlotState:
 
 class VerifierWorker(_Worker):
     """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
-    verifiers would replace this actor behind the same three methods (prefill, verify, ready)."""
+    verifiers would replace this actor behind the same three methods (prefill, verify, ready).
+
+    Every task carries the manager's sequence number. A plain actor runs them one at a time in that order.
+    With `verifier_overlap` the actor is threaded: a task launches its device work in its turn
+    (LaunchOrder), queues the copies of its results to pinned host memory, hands the turn on and only then
+    waits for the device (a CUDA event wait releases the GIL), so the next task's Ray hand-over and host
+    work overlap this one's device time instead of following it."""
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
@@ -152,56 +210,77 @@ class VerifierWorker(_Worker):
         self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
                                  self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
+        self.order = LaunchOrder(self.config.step_timeout_s) if self.config.verifier_overlap else None
 
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
         self.bench = bench or {}
         self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
-    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
-        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
-        with StepTimer(self.device) as timer:
-            batch = sampling_batch(sampling, self.device)
-            result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
-            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.state.start(slots, slot_t, batch, result.tokens[:, 0], prompts)
-            tokens, logprobs = result.to_host()
-        return tokens, logprobs, timer.ms
+    def _run(self, seq: int, launch):
+        """launch() -> (VerifyResult staged to host, StepTimer) runs in turn `seq`; then its results are
+        awaited -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end)."""
+        with self.order.turn(seq) if self.order is not None else contextlib.nullcontext():
+            t_launch = time.time()
+            staged, timer = launch()
+        ms = timer.ms   # waits for the device (and the staged copies) here, outside the turn
+        tokens, logprobs = staged.to_host()
+        return tokens, logprobs, ms, t_launch, time.time()
 
-    def verify(self, slots: list[int], drafts: dict | None, draft_index: list[int] | None, num_logprobs: int):
+    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[tuple],
+                num_logprobs: int):
+        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
+        def launch():
+            with StepTimer(self.device) as timer:
+                result = self._prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
+                staged = stage_to_host(result)
+            return staged, timer
+        tokens, logprobs, ms, _, _ = self._run(seq, launch)
+        return tokens, logprobs, ms
+
+    def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
+        result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
+        self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], prompts)
+        return result
+
+    def verify(self, seq: int, slots: list[int], drafts: dict | None, draft_index: list[int] | None,
+               num_logprobs: int):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
         drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
-        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down)."""
-        t_launch = time.time()
-        slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        return self._verify(slots, slot_t, drafts, draft_index, num_logprobs, t_launch)
+        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
+        -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
+        the manager's host: step times are measured where the work runs."""
+        def launch():
+            with StepTimer(self.device) as timer:
+                slot_t = to_device(slots, self.device)
+                draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
+                staged = stage_to_host(self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs,
+                                                    num_logprobs))
+            return staged, timer
+        return self._run(seq, launch)
 
-    def _verify(self, slots: list[int], slot_t: torch.Tensor, drafts, draft_index, num_logprobs: int,
-                t_launch: float):
-        """-> (tokens, logprobs, device ms, wall time the task began, wall time at its end); slot_t: slots [B]
-        on the device. Wall times are on the manager's host: step times are measured where the work runs."""
-        with StepTimer(self.device) as timer:
-            last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
-            batch = self.state.sampling.select(slots, slot_t)
-            draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
-            result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
-                                          num_logprobs)
-            self.state.advance(slot_t, result.tokens, result.num_emitted)
-            tokens, logprobs = result.to_host()
-        return tokens, logprobs, timer.ms, t_launch, time.time()
+    def _verify(self, slots: list[int], slot_t: torch.Tensor, draft_ids, num_drafts, draft_probs,
+                num_logprobs: int) -> VerifyResult:
+        # slot_t: slots [B] on the device; draft_ids [B, k], num_drafts [B], draft_probs [B, k, V] | None
+        last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
+        batch = self.state.sampling.select(slots, slot_t)
+        result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
+                                      num_logprobs)
+        self.state.advance(slot_t, result.tokens, result.num_emitted)
+        return result
 
     def _gather_drafts(self, drafts, draft_index, batch):
         if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
             empty = torch.zeros((batch, 0), dtype=torch.int64, device=self.device)
             return empty, torch.zeros(batch, dtype=torch.int64, device=self.device), None
-        index = torch.tensor(draft_index, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = to_device(draft_index, self.device)
         has = index >= 0
-        ids = drafts["ids"].to(self.device, non_blocking=True)[index.clamp(min=0)]            # [B, k]
+        ids = to_device(drafts["ids"], self.device)[index.clamp(min=0)]                       # [B, k]
         num_drafts = torch.where(has, ids.shape[1], 0)
         probs = drafts.get("probs")
         if probs is not None:
-            probs = probs.to(self.device, non_blocking=True)[index.clamp(min=0)]              # [B, k, V]
+            probs = to_device(probs, self.device)[index.clamp(min=0)]                         # [B, k, V]
         return ids, num_drafts, probs
 
 
@@ -241,21 +320,24 @@ class SpecWorker(VerifierWorker):
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]], sampling: list[tuple], num_logprobs: int):
-        with StepTimer(self.device) as timer:
-            self.drafter.prefill(slots, prompts)
-        tokens, logprobs, ms = super().prefill(slots, prompts, sampling, num_logprobs)
-        return tokens, logprobs, ms + timer.ms
+    def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
+        self.drafter.prefill(slots, prompts)
+        return super()._prefill(slots, prompts, batch, num_logprobs)
 
-    def step(self, slots: list[int], k: int, num_logprobs: int):
-        """Draft k tokens for every slot from the slot state, then verify them."""
-        state, t_launch = self.state, time.time()
-        with StepTimer(self.device) as draft_timer:
-            slot_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
-            ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
-                                                    state.sampling.seed[slot_t], state.position[slot_t])
-        tokens, logprobs, t_verify, t_launch, t_end = self._verify(
-            slots, slot_t, {"ids": ids, "probs": probs}, list(range(len(slots))), num_logprobs, t_launch)
-        # read the draft timer only now: reading it syncs, which would stall the verify launch
-        return tokens, logprobs, draft_timer.ms, t_verify, t_launch, t_end
+    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int):
+        """Draft k tokens for every slot from the slot state, then verify them
+        -> (tokens, logprobs, draft device ms, verify device ms, wall time of the launch, wall time at the end)."""
+        state, timers = self.state, {}
+
+        def launch():
+            with StepTimer(self.device) as timers["draft"]:
+                slot_t = to_device(slots, self.device)
+                last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
+                ids, probs = self.drafter.draft_in_step(slot_t, last2, state.seq_len[slot_t], k,
+                                                        state.sampling.seed[slot_t], state.position[slot_t])
+            with StepTimer(self.device) as timer:
+                num_drafts = torch.full((len(slots),), ids.shape[1], dtype=torch.int64, device=self.device)
+                staged = stage_to_host(self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs))
+            return staged, timer
+        tokens, logprobs, t_verify, t_launch, t_end = self._run(seq, launch)
+        return tokens, logprobs, timers["draft"].ms, t_verify, t_launch, t_end
