@@ -126,3 +126,15 @@ def write_results(rows: list[dict], out_dir: str | Path, name: str, columns: lis
     path = out_dir / f"{name}.md"
     path.write_text("\n".join(md).rstrip() + "\n")
     return path
+
+
+def write_md_and_json(out_dir: str | Path | None, name: str, text: str, rows: list[dict]) -> None:
+    """A sweep's report: `<name>.md` (text) and `<name>.json` (rows) in out_dir, when one is given."""
+    import json
+
+    if out_dir is None:
+        return
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.md").write_text(text)
+    (out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1))

@@ -19,15 +19,13 @@ Writes DIR/gemm_sweep.md and .json. --smoke: tiny shapes on the CPU (wall clock,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import device_name, git_sha, markdown_table, say
+from bench.common import device_name, git_sha, markdown_table, say, write_md_and_json
 
 # (name, N out features, K in features) of Llama-3.1-8B
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -138,11 +136,7 @@ def main(argv=None) -> None:
              markdown_table(rows, COLUMNS + ["status"])]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gemm_sweep.md").write_text(text)
-        (out / "gemm_sweep.json").write_text(json.dumps(rows, indent=1))
+    write_md_and_json(args.out, "gemm_sweep", text, rows)
 
 
 if __name__ == "__main__":

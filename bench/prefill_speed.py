@@ -10,15 +10,13 @@ several times its device work; a graph replay launches once.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import device_name, git_sha, markdown_table, say, synchronize
+from bench.common import device_name, git_sha, markdown_table, say, synchronize, write_md_and_json
 from bench.engine_speed import build_engine, hf_config
 from minedraft_ray.engine.model import ModelConfig
 
@@ -81,11 +79,7 @@ def main(argv=None) -> None:
     text = "\n".join([f"# Prefill: graphed vs eager ({device_name(device)}, git {git_sha()})", "",
                       markdown_table(rows, COLUMNS), ""])
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "prefill_speed.md").write_text(text)
-        (out / "prefill_speed.json").write_text(json.dumps(rows, indent=1))
+    write_md_and_json(args.out, "prefill_speed", text, rows)
 
 
 if __name__ == "__main__":

@@ -100,13 +100,19 @@ def run_env(tmp_path_factory):
     subprocess.run(["rm", "-rf", ray_tmp])
 
 
+def _default_sigint() -> None:
+    # a test run started in the background (`cmd &` in a script) ignores SIGINT, and children inherit that,
+    # so the Ctrl-C these tests send would be ignored: give the command the default disposition back
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Command:
     """A command in its own session, so that it and the Ray processes it starts can be ended as a group."""
 
     def __init__(self, args, env, log: Path):
         self.log = log
         self.proc = subprocess.Popen(args, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=REPO)
+                                     start_new_session=True, cwd=REPO, preexec_fn=_default_sigint)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
