@@ -12,7 +12,7 @@ reports the median per call over the replays, with the TB/s of the weight bytes 
   matmul_t_cublas   both
   inductor          torch.compile(F.linear, mode="max-autotune-no-cudagraphs"): Triton templates vs ATen
 
-    python -m bench.gemm_sweep [--out DIR] [--ms 64,320] [--no-inductor] [--smoke]
+    python -m bench.gemm_sweep [--out DIR] [--ms 64,128,320] [--no-inductor] [--smoke]
 
 Writes DIR/gemm_sweep.md and .json. --smoke: tiny shapes on the CPU (wall clock, no graph).
 """
@@ -73,7 +73,8 @@ def time_variant(fn, x, weights, device, replays: int) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
-    p.add_argument("--ms", default="64,320", help="token counts M (64: decode at batch 64; 320: verify q=5)")
+    p.add_argument("--ms", default="64,128,320",
+                   help="token counts M (64 / 128: decode at batch 64 / 128; 320: a q=5 verify at batch 64)")
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--copies", type=int, default=32, help="weight copies per graph (the model's layer count)")
     p.add_argument("--replays", type=int, default=30)

@@ -70,7 +70,7 @@ def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     memory, since a copy from pageable memory first waits for everything queued on the stream, which
     would hold an overlapped step's launch back until the step before it has finished."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
+    if device.type == "cuda" and host.device.type == "cpu":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
