@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minedraft_ray.engine.spec import VerifyResult
-from minedraft_ray.runtime.workers import stage_to_host, to_device
+from minedraft_ray.engine.runner import to_device
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -45,7 +45,7 @@ def test_cuda_staged_results_read_after_the_stream_passes():
     tokens = torch.tensor([[5, 6, -1], [7, -1, -1]], device=CUDA)
     result = VerifyResult(tokens, torch.tensor([2, 1], device=CUDA))
     busy = _queue_busy_work()
-    staged = stage_to_host(result)
+    staged = result.staged()
     assert not busy.query() and staged.tokens.is_pinned()
     end = torch.cuda.Event()
     end.record()

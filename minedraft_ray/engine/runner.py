@@ -20,7 +20,7 @@ from .model import Transformer
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward; bounds activation memory
 # projections whose weight is kept column-major on CUDA (x @ W.T reads a contiguous [in, out] matrix): cuBLAS
-# runs them 5% faster in a batch-64 decode and no slower in a k=4 verify; qkv and down are not faster so
+# runs them 5% faster in a batch-64 decode and within 0.5% in a k=4 verify; qkv and down are not faster so
 # (bench/results/gemm_sweep.md)
 TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
 # Graphed prefills: prompts per call x padded length, up to PREFILL_GRAPH_TOKENS padded tokens. On an H200 an
@@ -30,6 +30,16 @@ TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
 PREFILL_GRAPH_ROWS = (1, 2, 4)
 PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
+
+
+def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """A host list or tensor on `device`, queued without waiting: on CUDA the copy starts from pinned
+    memory, since a copy from pageable memory first waits for everything queued on the stream (which would
+    hold a step launched behind a running one until that one has finished)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cuda" and host.device.type == "cpu":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -162,7 +172,7 @@ class ModelRunner:
         return torch.cat(out, 0)
 
     def _extend_chunk(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
-        ids, slot_t, lens_t = (t.to(self.device, non_blocking=True) for t in
+        ids, slot_t, lens_t = (to_device(t, self.device) for t in
                                self._padded(slots, token_lists, len(slots), max(len(t) for t in token_lists)))
         logits = self._last_logits(ids, slot_t, lens_t)
         self.cache.lengths.index_add_(0, slot_t, lens_t)
@@ -200,16 +210,14 @@ class ModelRunner:
             self._prefill_graphs[shape] = self._capture_prefill(*shape)
         graph, bufs = self._prefill_graphs[shape]
         for name, host in zip(("input_ids", "slots", "lens"), self._padded(slots, prompts, *shape)):
-            bufs[name].copy_(host, non_blocking=True)
+            bufs[name].copy_(to_device(host, self.device))
         graph.replay()
         self.cache.lengths.index_add_(0, bufs["slots"][:len(slots)], bufs["lens"][:len(slots)])
         return bufs["logits"][:len(slots)]
 
     # ---- lengths -------------------------------------------------------------------------------
     def set_lengths(self, slots, lengths) -> None:
-        slots = torch.as_tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        lengths = torch.as_tensor(lengths, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.cache.lengths.index_copy_(0, slots, lengths)
+        self.cache.lengths.index_copy_(0, to_device(slots, self.device), to_device(lengths, self.device))
 
     def rollback(self, slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
         """Forget the last num_tokens [B] tokens of each slot: only the lengths move."""

@@ -103,6 +103,19 @@ class VerifyResult:
     num_emitted: torch.Tensor   # [B] int64, 1..num_drafts+1
     logprobs: tuple | None = None   # (token_lp [B, k+1], top_ids [B, k+1, n], top_lp [B, k+1, n])
 
+    def staged(self) -> "VerifyResult":
+        """This result copied into pinned host memory, the copies queued on the stream (on CUDA; a CPU
+        result is returned as it is): once the stream has passed them, `to_host` reads the copies without a
+        sync, which would also wait for any step queued behind this one."""
+        if self.tokens.device.type != "cuda":
+            return self
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        logprobs = tuple(pinned(t) for t in self.logprobs) if self.logprobs is not None else None
+        return VerifyResult(pinned(self.tokens), pinned(self.num_emitted), logprobs)
+
     def to_host(self) -> tuple[list[list[int]], list[list[dict]] | None]:
         """The emitted tokens per row (and their logprobs), copied to the host in one go."""
         emitted = self.num_emitted.tolist()

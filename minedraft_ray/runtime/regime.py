@@ -5,7 +5,7 @@ once every two verifies. When every running request fits one batch (at most max_
 batch (draft, then verify, on the same two GPUs: `sd_split`'s schedule) advances each of them once per
 draft + verify + hops instead. Which is faster depends on the pair, k and the host: psd wins when a verify
 outlasts drafting plus the sequential step's Ray hops, and loses otherwise (2x H200, 8B/1B, k=2: psd's
-P50 latency was 1.15-1.52x sd_split's at 30-90 % load; bench/results/psd_vs_sd_analysis.md). So the manager
+P50 latency was 1.15-1.52x sd_split's at 30-90 % load at adac596; bench/results/psd_vs_sd_analysis.md). So the manager
 measures both: the cadence of a request is the time between two ends of its batch's verifies, averaged per
 regime over steps at such loads, and the regime without a recent measurement is tried for a few steps now
 and then (both regimes are lossless, so trying costs time only).

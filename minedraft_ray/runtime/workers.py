@@ -19,7 +19,7 @@ from ..config import EngineConfig
 from ..engine.engine import default_device
 from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
-from ..engine.runner import ModelRunner
+from ..engine.runner import ModelRunner, to_device
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 
@@ -63,30 +63,6 @@ class StepTimer:
             self.end.synchronize()
             return self.start.elapsed_time(self.end)
         return (self.t1 - self.t0) * 1e3
-
-
-def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """A host list or tensor on `device`, queued without waiting: on CUDA the copy starts from pinned
-    memory, since a copy from pageable memory first waits for everything queued on the stream, which
-    would hold an overlapped step's launch back until the step before it has finished."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type == "cuda" and host.device.type == "cpu":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-def stage_to_host(result: VerifyResult) -> VerifyResult:
-    """The result's tensors copied into pinned host memory, queued on the stream (CUDA; CPU tensors are
-    returned as they are): after the stream passes this point, `to_host` reads them without a sync that
-    would also wait for work queued behind it."""
-    if result.tokens.device.type != "cuda":
-        return result
-
-    def pinned(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-    logprobs = tuple(pinned(t) for t in result.logprobs) if result.logprobs is not None else None
-    return VerifyResult(pinned(result.tokens), pinned(result.num_emitted), logprobs)
 
 
 class LaunchOrder:
@@ -233,7 +209,7 @@ class VerifierWorker(_Worker):
         def launch():
             with StepTimer(self.device) as timer:
                 result = self._prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
-                staged = stage_to_host(result)
+                staged = result.staged()
             return staged, timer
         tokens, logprobs, ms, _, _ = self._run(seq, launch)
         return tokens, logprobs, ms
@@ -255,8 +231,7 @@ class VerifierWorker(_Worker):
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
                 draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
-                staged = stage_to_host(self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs,
-                                                    num_logprobs))
+                staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs).staged()
             return staged, timer
         return self._run(seq, launch)
 
@@ -337,7 +312,7 @@ class SpecWorker(VerifierWorker):
                                                         state.sampling.seed[slot_t], state.position[slot_t])
             with StepTimer(self.device) as timer:
                 num_drafts = torch.full((len(slots),), ids.shape[1], dtype=torch.int64, device=self.device)
-                staged = stage_to_host(self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs))
+                staged = self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs).staged()
             return staged, timer
         tokens, logprobs, t_verify, t_launch, t_end = self._run(seq, launch)
         return tokens, logprobs, timers["draft"].ms, t_verify, t_launch, t_end
