@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=4)
+    ap.add_argument("--dtype", default="auto", help="float32: greedy outputs comparable token for token")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -38,10 +39,10 @@ def main() -> None:
              _temp_dir=tempfile.mkdtemp(prefix="r", dir="/tmp"))
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    rows, base = [], None
-    for mode in ("ar", "sd", "psd"):
+    rows, base, reference = [], None, None
+    for mode in ("ar", "sd", "sd_split", "psd"):
         cfg = EngineConfig(mode=mode, k=args.k, max_batch=args.max_batch, torch_threads=None if gpu else 1,
-                           **({"draft": None} if mode == "ar" else {}))
+                           dtype=args.dtype, **({"draft": None} if mode == "ar" else {}))
         llm = LLM(config=cfg)
         try:
             llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))   # warm-up
@@ -57,15 +58,18 @@ def main() -> None:
                "requests": args.requests, "tokens_per_s": tokens / wall,
                "acceptance_rate": sum(o.stats["accepted"] for o in outs) / drafted if drafted else None,
                "acceptance_length": 1 + sum(o.stats["accepted"] for o in outs) / steps if steps else None}
+        reference = reference or [o.token_ids for o in outs]
+        # greedy: the same tokens as ar, request by request (exact in float32; bf16 may differ by rounding)
+        row["equal_to_ar"] = sum(o.token_ids == t for o, t in zip(outs, reference)) / len(outs)
         base = base or row["tokens_per_s"]
         row["speedup_vs_ar"] = row["tokens_per_s"] / base
         print(row, flush=True)
         rows.append(row)
     device = torch.cuda.get_device_name(0) if gpu else f"cpu ({os.cpu_count()} cores, 1 torch thread per actor)"
     for r in rows:
-        r.update(git_sha=git_sha(), device=device)
+        r.update(git_sha=git_sha(), device=device, dtype=args.dtype)
     columns = ["mode", "k", "max_batch", "requests", "tokens_per_s", "speedup_vs_ar", "acceptance_rate",
-               "acceptance_length", "git_sha", "device"]
+               "acceptance_length", "equal_to_ar", "dtype", "git_sha", "device"]
     write_results(rows, args.out, "default_pair_speed_" + ("gpu" if gpu else "cpu"),
                   columns, "Default pair: sd and psd against ar", command_line("bench.default_pair_speed"), device,
                   ["greedy; prompts are code openings; CPU rows are informational (the GPU run is the real one)"])

@@ -1,25 +1,36 @@
 #!/usr/bin/env bash
-# The 2x H200 runs issue #3 still needs, in one device call of at most ~9.5 minutes, leaving at most 8 files in
-# $OUT (what the device tool brings back):
-#   1. the drafter-kill drill on the GPUs (bench/drafter_kill.py: psd and sd_split, output == ar, restart);
-#   2. the verifier_overlap A/B: part 1 at m=64, alpha 0.8, k 1..3 with --verifier-overlap, to read against the
-#      committed part-1 rows (launch_gap_ms, verifier_busy, ray_overhead_ms, step_ms).
-#   OUT=/some/dir GIT_SHA=<sha> bash bench/gpu_psd_checks.sh
+# The 2x H200 runs issue #3 needs, as two device calls of at most ~9.5 minutes each, each leaving at most 8
+# files in $OUT (what the device tool brings back):
+#   STAGE=1: the CUDA tests of the overlap copies and graphs; the default pair in float32 (greedy outputs of
+#            sd, sd_split and psd == ar's, token for token, on the GPUs); part 1 of bench.psd_vs_sd (closed
+#            workloads, m = 16 then 64, k sweeps, the sd / ar baselines) in what time is left.
+#   STAGE=2: part 2 (online Poisson arrivals psd / sd_split / sd_dp2, closed data-parallel baselines, the
+#            real-acceptance pair), its best k taken from the committed part-1 rows.
+#   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
+STAGE=${STAGE:-1}
 S=$(date +%s)
 say() { echo "[$(( $(date +%s) - S )) s] $*"; }
+left() { echo $(( ${1:-560} - ($(date +%s) - S) )); }
 
-timeout 320 python -m bench.drafter_kill --out "$OUT" > "$OUT/drafter_kill.log" 2>&1
-say "drafter kill rc=$?"; grep -E '^\{"mode"|^ar reference' "$OUT/drafter_kill.log"
-
-left=$(( 560 - ($(date +%s) - S) ))
-if [ "$left" -gt 120 ]; then
-  timeout "$left" python -m bench.psd_vs_sd --part 1 --ms 64 --alphas 0.8 --k-max 3 --batch-mults 1 --temperature 0 \
-    --verifier-overlap --budget-s $(( left - 30 )) --out "$OUT/overlap" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' \
-    > "$OUT/overlap.log"
-  say "overlap A/B rc=$?"; grep -E '^\[|^skipped' "$OUT/overlap.log" | tail -12
+if [ "$STAGE" = 1 ]; then
+  timeout 150 python -m pytest -q -x -p no:cacheprovider tests/test_cuda_overlap.py tests/test_cuda_graphs.py \
+    > "$OUT/cuda_tests.log" 2>&1
+  say "CUDA tests rc=$?"; tail -2 "$OUT/cuda_tests.log"
+  timeout 170 python -m bench.default_pair_speed --dtype float32 --out "$OUT/default_pair_fp32" \
+    > "$OUT/default_pair_fp32.log" 2>&1
+  say "default pair rc=$?"; grep "^{" "$OUT/default_pair_fp32.log" | cut -c1-260
+  rm -f "$OUT/default_pair_fp32/"*.png
+  l=$(left); say "part 1 with ${l} s"
+  timeout "$l" python -m bench.psd_vs_sd --part 1 --ms 16,64 --alphas 0.8 --k-max 5 --batch-mults 1,2 \
+    --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd1" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd1.log"
+  say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
+  rm -f "$OUT/psd1/psd_vs_sd.png"
 else
-  say "no time left for the overlap A/B"
+  l=$(left 575)
+  timeout "$l" python -m bench.psd_vs_sd --part 2 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 \
+    --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd2.log"
+  say "part 2 rc=$?"; grep -E '^\[|^skipped|^online' "$OUT/psd2.log" | tail -30
+  rm -f "$OUT/psd2/psd_vs_sd.png"
 fi
-rm -f "$OUT/overlap/psd_vs_sd.png"

@@ -52,10 +52,10 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
 # what ran, beyond the required columns: enough to tell scaled-down or partial configurations apart
 EXTRA_COLUMNS = ["part", "status", "note", "alpha_group", "batch", "replicas", "in_flight", "n_requests", "completed",
                  "max_tokens", "prompt_len", "temperature", "load", "duration_s", "acceptance_rate",
-                 "acceptance_length", "steady_steps", "prefill_share", "seq_share", "launch_gap_ms", "build_s",
-                 "run_s", "models"]
+                 "acceptance_length", "steady_steps", "prefill_share", "seq_share", "cadence_psd_ms", "cadence_seq_ms",
+                 "launch_gap_ms", "verifier_overlap", "build_s", "run_s", "models"]
 STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
-           "prompt_len", "models"}
+           "prompt_len", "models", "verifier_overlap"}
 INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
         "steady_steps"}
 TABLE_COLUMNS = ["part", "mode", "m", "batch", "k", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
@@ -63,7 +63,8 @@ TABLE_COLUMNS = ["part", "mode", "m", "batch", "k", "alpha", "n_gpus", "in_fligh
                  "t_verify_ms", "step_ms", "verifier_busy", "ray_overhead_ms", "acceptance_length"]
 ONLINE_TABLE_COLUMNS = ["mode", "load", "rate_rps", "k", "n_gpus", "n_requests", "completed", "tokens_per_s",
                         "lat_mean_s", "lat_p50_s", "lat_p99_s", "ttft_mean_s", "ttft_p99_s", "step_ms",
-                        "verifier_busy", "ray_overhead_ms", "prefill_share", "seq_share"]
+                        "verifier_busy", "ray_overhead_ms", "prefill_share", "seq_share", "cadence_psd_ms",
+                        "cadence_seq_ms"]
 GPUS_PER_REPLICA = {"psd": 2, "sd_split": 2, "sd": 1, "ar": 1}
 MAIN_REGIME = {"psd": "psd", "sd_split": "seq", "sd": "sd", "ar": "ar"}
 EDGE_FRACTION = 0.05  # steps dropped at each end of a run before steady-state statistics
@@ -326,6 +327,11 @@ def steady_stats(histories: list[list], mode: str) -> dict:
     prefill_share = sum(r.t_prefill_ms for r in every) / wall if wall else None
     # psd: share of verify steps run as one sequential batch (the low-load regime choice, regime.py)
     seq_share = sum(r.regime == "seq" for r in every) / len(every) if every and mode == "psd" else None
+    # a request's period (ms between two verify ends of its batch) in each regime: what the choice compares
+    regimes = {f"cadence_{regime}_ms": [r.cadence_ms for r in every if r.regime == regime and r.cadence_ms]
+               for regime in ("psd", "seq")}
+    shares = {"prefill_share": prefill_share, "seq_share": seq_share,
+              **{name: float(np.median(v)) if v else None for name, v in regimes.items()}}
     for history in histories:
         cut = int(len(history) * EDGE_FRACTION)
         kept = [r for r in history[cut:len(history) - cut] if r.regime == MAIN_REGIME[mode] and not r.admitted]
@@ -333,7 +339,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
             busy.append(sum(r.t_verify_ms for r in kept) / sum(r.step_ms for r in kept))
         steps += kept
     if not steps:
-        return {"steady_steps": 0, "prefill_share": prefill_share, "seq_share": seq_share}
+        return {"steady_steps": 0, **shares}
     sequential = mode != "psd"  # sd, sd_split: draft then verify; ar: verify only
     critical = [r.t_draft_ms + r.t_verify_ms if sequential else max(r.t_draft_ms, r.t_verify_ms) for r in steps]
     return {"t_draft_ms": float(np.median([r.t_draft_ms for r in steps])) if mode != "ar" else None,
@@ -342,7 +348,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
             "verifier_busy": float(np.mean(busy)),
             "ray_overhead_ms": float(np.median([r.step_ms - c for r, c in zip(steps, critical)])),
             "launch_gap_ms": float(np.median([r.launch_gap_ms for r in steps])),
-            "steady_steps": len(steps), "prefill_share": prefill_share, "seq_share": seq_share}
+            "steady_steps": len(steps), **shares}
 
 
 def acceptance_stats(stats: list[dict]) -> dict:
@@ -1017,8 +1023,8 @@ def main(argv=None) -> int:
     p.add_argument("--k-psd", type=int, default=None, help="part 2: psd's k (default: best of part 1)")
     p.add_argument("--k-sd", type=int, default=None, help="part 2: sd's k (default: best of part 1)")
     p.add_argument("--transport", choices=["object_store"], default="object_store")
-    p.add_argument("--verifier-overlap", action="store_true",
-                   help="every engine with verifier_overlap (the threaded verifier launching ahead)")
+    p.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="auto",
+                   help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
@@ -1039,13 +1045,16 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     work = Path(tempfile.mkdtemp(prefix="psdb-", dir="/tmp"))  # short: Ray's socket paths have a length limit
     setup = smoke_setup(args, work) if args.smoke else gpu_setup(args)
-    if args.verifier_overlap:
-        setup.engine["verifier_overlap"] = True
+    if args.verifier_overlap != "auto":
+        setup.engine["verifier_overlap"] = args.verifier_overlap == "on"
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd"), "device": machine_name(args.smoke),
-               "transport": setup.transport}
+               "transport": setup.transport,
+               # auto: on where the verifier has a GPU (the smoke runs on the CPU)
+               "verifier_overlap": args.verifier_overlap if args.verifier_overlap != "auto"
+               else "off" if args.smoke else "on"}
     results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")

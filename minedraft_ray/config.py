@@ -43,8 +43,8 @@ class EngineConfig(BaseModel):
     psd_low_load: Literal["auto", "psd", "seq"] = Field(
         "auto", description="psd at loads one batch holds (<= max_batch running): measure psd's and one "
         "sequential batch's per-request cadence and run the faster (auto), or force one")
-    verifier_overlap: bool = Field(False, description="threaded verifier: the next queued step launches while "
-                                   "the current one runs on the device (experimental: not yet measured on a GPU)")
+    verifier_overlap: bool | None = Field(None, description="the verifier's next queued step launches while the "
+                                          "current one runs on the device (default: on a GPU, off on a CPU)")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="least time between two streamed outputs "
                                       "of a request (first and last go at once); 0: one per step")

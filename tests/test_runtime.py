@@ -84,6 +84,11 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
         assert (llm.info()["drafter_prefills"] > 0) == (mode in ("psd", "sd_split")), llm.info()
         # sd and ar build steps from the verifier's slot state, so the next one is queued behind the running one
         assert (llm.info()["queued_behind"] > 0) == (mode in ("sd", "ar")), llm.info()
+        # psd and sd_split draft each batch's next round behind its verify, and nearly every verify uses one
+        if mode in ("psd", "sd_split"):
+            assert llm.info()["drafts_ahead_used"] >= 0.8 * sum(h.drafted > 0 for h in history), llm.info()
+        else:
+            assert llm.info()["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
     finally:
         llm.shutdown()
@@ -106,6 +111,23 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
             check_balance(llm.history(), max_batch=3)
     finally:
         llm.shutdown()
+
+
+def test_verifier_overlap_defaults_to_the_verifiers_device(tiny_llama):
+    """Measured: overlap helps on a GPU (busy 0.91-0.99) and costs on a CPU; an explicit choice always wins."""
+    import torch
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.runtime.manager import overlap_by_default
+
+    def resolved(**kw):
+        config = EngineConfig(target=tiny_llama, **kw)
+        return config.verifier_overlap if config.verifier_overlap is not None else overlap_by_default(config)
+
+    assert EngineConfig(target=tiny_llama).verifier_overlap is None
+    assert resolved() == torch.cuda.is_available()
+    assert resolved(device="cpu") is False and resolved(device="cuda") is True
+    assert resolved(device="cpu", verifier_overlap=True) is True
+    assert resolved(device="cuda", verifier_overlap=False) is False
 
 
 def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
@@ -433,6 +455,48 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]
         assert state_worker.state.seq_len[slot_t].tolist() == [len(seq) for seq in sequences]
+
+
+@pytest.mark.parametrize("draft_temperature", [0.0, 0.8])
+def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_draft, draft_temperature):
+    """A round drafted ahead (psd, sd_split) reads its rows' newest tokens from the prefill and verify results
+    and feeds only the last two; a worker catching up on the whole committed sequence drafts the same tokens
+    (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
+    drafts were partly accepted, wholly accepted or all rejected."""
+    import torch
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.runtime.workers import DrafterWorker
+
+    k = 3
+    cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
+                       device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
+    ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
+    prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
+    ahead.prefill(slots, prompts)
+    prefill_result = ([[31], [32], [33]], None, 0.0)            # (tokens, logprobs, ms): the first token
+    verify_result = ([[41], [42], [43]], None, 0.0, 0.0, 0.0)   # a first verify without drafts: one token
+    sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
+
+    def compare(rows, positions, *sources):
+        ids, _ = ahead.draft(rows, k, seeds, positions, *sources)
+        full = [(slot, 0, seq, (), False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
+        ref, _ = scratch.draft(full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)])
+        assert torch.equal(ids["ids"], ref["ids"])
+        if draft_temperature:
+            assert torch.allclose(ids["probs"], ref["probs"], atol=1e-6)
+        else:
+            assert ids["probs"] is None and ref["probs"] is None
+        return ids["ids"].tolist()
+
+    # new rows: committed = the prompt (the drafter holds it), tokens from the prefill, then the first verify
+    rows = [(slot, max(0, len(p) - 2), p[-2:], [(0, i), (1, i)], True) for i, (slot, p) in enumerate(zip(slots, prompts))]
+    drafts = compare(rows, [0, 0, 0], prefill_result, verify_result)
+    for accepted in ([1, 3, 0], [0, 2, 3]):   # part, all, none of the drafts accepted (then one new token)
+        committed = sequences
+        emitted = [d[:a] + [50 + a] for d, a in zip(drafts, accepted)]
+        sequences = [s + e for s, e in zip(committed, emitted)]
+        rows = [(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
+        drafts = compare(rows, [len(c) - len(p) for c, p in zip(committed, prompts)], (emitted, None, 0.0, 0.0, 0.0))
 
 
 def test_step_timer_on_cpu_times_its_block_not_the_read():

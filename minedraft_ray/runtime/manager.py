@@ -30,7 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
-from ..engine.engine import commit_tokens, draft_rows
+from ..engine.engine import commit_tokens, default_device, draft_rows
 from ..engine.kv_cache import SlotAllocator
 from ..engine.loader import load_tokenizer
 from ..engine.model import ModelConfig
@@ -105,6 +105,18 @@ class _Task:
     submitted_wall: float = field(default_factory=time.time)
     low_load: bool = False           # submitted while one batch held every running request
     seq: int = -1                    # the verifier's launch order (workers.LaunchOrder)
+    draft_generation: int = 0        # the drafter its drafts came from (restarts count up)
+
+
+@dataclass
+class _DraftAhead:
+    """A batch's next draft round, submitted together with the batch's verify (psd, sd_split): it takes that
+    verify's result (and new rows' prefill results) by reference, so it starts on the drafter as soon as they
+    exist instead of after the manager's commit; the commit then only submits the next verify."""
+    drafts_ref: object
+    ms_ref: object
+    rows: dict          # id(request) -> (row in the round, seq of the request's last task it was built after)
+    generation: int     # the drafter it went to
 
 
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -117,6 +129,14 @@ def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
 def _sampling_row(r: Request) -> tuple:
     p = r.params
     return (p.temperature, p.top_p, p.top_k, r.seed)
+
+
+def overlap_by_default(config: EngineConfig) -> bool:
+    """verifier_overlap's default: on where the verifier computes on a GPU (measured there:
+    bench/results/psd_vs_sd_analysis.md); on a CPU the host is the device, nothing runs ahead and the waiting
+    threads only contend (slower). The manager shares the workers' node (STRICT_PACK), and Ray hides no GPU
+    from an actor that asks for none, so the workers' device choice can be made here."""
+    return config.device == "cuda" or (config.device == "auto" and default_device().type == "cuda")
 
 
 class BatchManager:
@@ -134,6 +154,9 @@ class BatchManager:
             log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
                         model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
             config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
+            self.config = config
+        if config.verifier_overlap is None:
+            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
             self.config = config
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
@@ -164,9 +187,13 @@ class BatchManager:
         self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
                          "moves": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
-                         "queued_behind": 0, "drafter_prefills": 0}
+                         "queued_behind": 0, "drafter_prefills": 0,
+                         # verifies whose drafts came from a round drafted ahead; rows of such rounds not used
+                         "drafts_ahead_used": 0, "draft_rows_unused": 0}
         self.verifier = self.drafter = None
         self.drafter_alive = False
+        self.drafter_generation = 0      # counts drafter restarts: rounds for a dead drafter are not waited for
+        self.draft_ahead: list[_DraftAhead | None] = [None, None]   # per batch (psd, sd_split)
         self.dead: str | None = None
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -255,6 +282,8 @@ class BatchManager:
         r.aborted = False
         r.inflight = 0          # verifier tasks in flight that hold this request
         r.prefilling = False
+        r.prefill_at = None     # (prefill task, row) while its prefill is in flight
+        r.last_seq = -1         # seq of the latest verifier task committed for it
         self.requests[r.id] = r
         self.waiting.append(r)
         self._wake.set()
@@ -429,7 +458,8 @@ class BatchManager:
                 t_draft = await self._get(task.draft_ms_ref, "draft")
             except Exception as e:
                 # the verify never ran (its drafts failed): run it again without drafts
-                self._drafter_down(e)
+                if task.draft_generation == self.drafter_generation:   # not a round for a drafter since replaced
+                    self._drafter_down(e)
                 # under its own number: a task whose argument failed never ran, so its turn is still open
                 task.ref = self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
                                                        self._num_logprobs(task.requests))
@@ -495,6 +525,7 @@ class BatchManager:
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
         for row, (r, toks, nd) in enumerate(zip(task.requests, tokens, task.num_drafts)):
             r.inflight -= 1
+            r.last_seq = task.seq   # the tokens committed for r come from this task (drafts ahead check it)
             if r.finished:       # finished or aborted meanwhile: its extra tokens are dropped
                 self._release(r)
                 continue
@@ -520,10 +551,12 @@ class BatchManager:
             for r in new:
                 r.inflight, r.prefilling = 1, True
             seq = self._next_seq()
-            self.inflight.append(_Task(
-                "prefill", None, new, self.verifier.prefill.remote(
-                    seq, [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
-                    self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter(), seq=seq))
+            prefill = _Task("prefill", None, new, self.verifier.prefill.remote(
+                seq, [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
+                self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter(), seq=seq)
+            self.inflight.append(prefill)
+            for row, r in enumerate(new):
+                r.prefill_at = (prefill, row)   # a draft ahead of r's first verify takes its first token here
             self._prefill_drafter(new)
             self._place(new, committed)
         self._rebalance(committed)
@@ -579,22 +612,39 @@ class BatchManager:
         if not rows:
             return False   # every member is still in flight in the other batch (moved): next commit
         regime = self._regime(b)
+        ahead, self.draft_ahead[b] = self.draft_ahead[b], None
+        if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
+            self.counters["draft_rows_unused"] += len(ahead.rows)
+            ahead = None   # for a drafter that died since (its rows fail) or no longer wanted
         if regime == "sd":
             drafted = rows
+        elif regime == "ar":
+            drafted = []
+        elif ahead is not None:   # rows drafted ahead from the tokens they hold now (nothing committed since)
+            drafted = [r for r in rows if r.inflight == 0 and ahead.rows.get(id(r), (0, None))[1] == r.last_seq]
         else:
-            drafted = [r for r in rows if r.inflight == 0] if regime != "ar" else []
-        order = {id(r): i for i, r in enumerate(drafted)}
-        index = [order.get(id(r), -1) for r in rows]
+            drafted = [r for r in rows if r.inflight == 0]
+        if ahead is not None:
+            ids = {id(r) for r in drafted}
+            index = [ahead.rows[id(r)][0] if id(r) in ids else -1 for r in rows]
+            self.counters["draft_rows_unused"] += len(ahead.rows) - len(drafted)
+        else:
+            order = {id(r): i for i, r in enumerate(drafted)}
+            index = [order.get(id(r), -1) for r in rows]
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
                      submitted=time.perf_counter(), low_load=self._num_running() <= self.config.max_batch,
-                     seq=self._next_seq())
+                     seq=self._next_seq(), draft_generation=self.drafter_generation)
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
         elif drafted:
-            drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
+            if ahead is not None:
+                drafts_ref, task.draft_ms_ref = ahead.drafts_ref, ahead.ms_ref
+                self.counters["drafts_ahead_used"] += 1
+            else:
+                drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
             task.ref = self.verifier.verify.remote(task.seq, slots, drafts_ref, index, nlp)
         else:
             task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
@@ -603,7 +653,47 @@ class BatchManager:
         self.counters["queued_behind"] += self.queued[b] > 0
         self.queued[b] += 1
         self.inflight.append(task)
+        if regime in ("psd", "seq") and self.drafter_alive:
+            self._draft_next_round(b, task)
         return True
+
+    def _draft_next_round(self, b: int, verify: _Task) -> None:
+        """Submit batch b's next draft round now, behind `verify` (psd, sd_split): every member whose tasks in
+        flight are at most its prefill and this verify gets a row whose tokens are its committed ones plus
+        those tasks' tokens, which the drafter reads from their results (Ray hands them over when they exist).
+        The chain verify -> draft -> verify then runs without waiting for the manager's commit, which happens
+        meanwhile; at the next verify, rows whose state moved on otherwise (moved, re-verified) go without."""
+        at_verify = {id(r): row for row, r in enumerate(verify.requests)}
+        sources, source_of = [verify.ref], {}
+        rows, seeds, positions, built = [], [], [], {}
+        for r in self.batches[b]:
+            vrow = at_verify.get(id(r))
+            if r.finished or r.inflight != (vrow is not None) + r.prefilling:
+                continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
+            takes, last = [], r.last_seq
+            if r.prefilling:
+                prefill, prow = r.prefill_at
+                if id(prefill) not in source_of:
+                    source_of[id(prefill)] = len(sources)
+                    sources.append(prefill.ref)
+                takes.append((source_of[id(prefill)], prow))
+                last = prefill.seq
+            if vrow is not None:
+                takes.append((0, vrow))
+                last = verify.seq
+            # the drafter's slot holds every token but the last two of the sequence the row ends with: after
+            # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
+            all_but_two = (vrow is not None and verify.num_drafts[vrow] > 0) or \
+                (r.prefilling and r.draft_valid >= len(r.prompt_ids))
+            valid = max(0, min(r.draft_valid, r.seq_len - 2))   # a one-token prompt: from its start
+            built[id(r)] = (len(rows), last)
+            rows.append((r.slot, valid, r.tail(valid), takes, all_but_two))
+            seeds.append(r.seed)
+            positions.append(len(r.output_ids))
+        if not rows:
+            return
+        drafts_ref, ms_ref = self.channel.submit(self.drafter, (rows, self.k, seeds, positions, *sources))
+        self.draft_ahead[b] = _DraftAhead(drafts_ref, ms_ref, built, self.drafter_generation)
 
     def _next_seq(self) -> int:
         """Number the next verifier task: the verifier launches its tasks' device work in this order."""
@@ -611,8 +701,8 @@ class BatchManager:
         return self._seq - 1
 
     def _draft_args(self, batch: list[Request]) -> tuple:
-        """(rows (slot, valid, catchup), k, seeds, output positions of the first drafts)."""
-        rows = [(row.slot, row.valid, row.catchup) for row in draft_rows(batch)]
+        """(rows (slot, valid, catchup, takes, all_but_two), k, seeds, output positions of the first drafts)."""
+        rows = [(row.slot, row.valid, row.catchup, (), False) for row in draft_rows(batch)]
         return rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
 
     # ---- batches -------------------------------------------------------------------------------
@@ -675,6 +765,7 @@ class BatchManager:
         if not self.drafter_alive:
             return
         self.drafter_alive = False
+        self.drafter_generation += 1   # rounds already sent to it fail or are dropped, and say nothing more
         self.counters["drafter_failures"] += 1
         log.warning("drafter failed (%s); serving in ar mode while it restarts", error)
         if self._restart_task is None or self._restart_task.done():

@@ -274,11 +274,25 @@ class DrafterWorker(_Worker):
             self.drafter.prefill(slots, prompts)
         return timer.ms
 
-    def draft(self, rows: list[tuple[int, int, list[int]]], k: int, seeds: list[int], positions: list[int]):
-        """rows: (slot, valid, catchup) per request -> ({"ids": [B, k], "probs": ...}, device ms)."""
+    def draft(self, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
+        """rows: (slot, valid, tail, takes, all_but_two) per request; sources: results of verifier tasks (prefill,
+        verify) still in flight when the round was submitted, which Ray passes in once they exist. A row's
+        sequence past `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two
+        the slot already holds all of that sequence but its last two tokens, so only those are fed.
+        positions: output position of each row's first draft before the taken tokens.
+        -> ({"ids": [B, k], "probs": ...}, device ms)."""
+        draft_rows = []
+        for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
+            catchup = list(tail)
+            for source, row in takes:
+                catchup += sources[source][0][row]   # a prefill's or verify's emitted tokens of that row
+            positions[i] += len(catchup) - len(tail)
+            if all_but_two:
+                valid, catchup = valid + len(catchup) - 2, catchup[-2:]
+            draft_rows.append(DraftRow(slot, valid, catchup))
         with StepTimer(self.device) as timer:
             pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-            ids, probs = self.drafter.draft([DraftRow(*r) for r in rows], k, seeds, pos_t)
+            ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
             ids = ids.cpu()   # the object-store channel ships host tensors
             probs = probs.cpu() if probs is not None else None
         return {"ids": ids, "probs": probs}, timer.ms
