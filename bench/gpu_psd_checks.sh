@@ -28,6 +28,9 @@ if [ "$STAGE" = 1 ]; then
   say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
   rm -f "$OUT/psd1/psd_vs_sd.png"
 else
+  timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_overlap.py tests/test_cuda_graphs.py \
+    > "$OUT/cuda_tests.log" 2>&1
+  say "CUDA tests rc=$?"; tail -2 "$OUT/cuda_tests.log"
   l=$(left 575)
   timeout "$l" python -m bench.psd_vs_sd --part 2 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 \
     --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd2.log"
