@@ -1,6 +1,8 @@
 """The overlapped verifier's copies (GPU only): a host-to-device copy from pinned memory is queued without
-waiting for work queued before it (a copy from pageable memory waits: the reason the first two overlap
-attempts launched late), and results staged to pinned host memory read correctly once the stream passes."""
+waiting for work queued before it, and results staged to pinned host memory read correctly once the stream
+passes. (A test that a small copy from pageable memory *does* wait, the suspected reason the first two
+overlap attempts launched late, failed on the H200 with torch 2.11 / CUDA 13 and was removed: that
+suspicion is refuted, logs/cuda_tests_gpu_0dfaed3.log.)"""
 import time
 
 import pytest
@@ -33,13 +35,6 @@ def test_cuda_pinned_copy_does_not_wait_for_queued_work():
     assert not busy.query(), "the copy call returned only after the queued work finished"
     assert queued_in < 0.02, queued_in
     assert ids.tolist() == [3, 1, 2]
-
-
-def test_cuda_pageable_copy_waits_for_queued_work():
-    """What to_device avoids (documents the CUDA behaviour the design relies on)."""
-    busy = _queue_busy_work()
-    torch.tensor([3, 1, 2]).to(CUDA, non_blocking=True)
-    assert busy.query()
 
 
 def test_cuda_staged_results_read_after_the_stream_passes():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
 import torch
 
 from .kv_cache import KVCache
@@ -33,9 +34,11 @@ PREFILL_GRAPH_TOKENS = 1024
 
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
-    """A host list or tensor on `device`, queued without waiting: on CUDA the copy starts from pinned
-    memory, since a copy from pageable memory first waits for everything queued on the stream (which would
-    hold a step launched behind a running one until that one has finished)."""
+    """A host list (as `dtype`), numpy array or tensor on `device`, queued without the host waiting: on CUDA
+    the copy starts from pinned memory, the one kind of host memory a copy is asynchronous from (measured on
+    the H200: a small copy from pageable memory did not wait for queued work either, tests/test_cuda_overlap.py)."""
+    if isinstance(values, np.ndarray):
+        values = torch.from_numpy(values)
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cuda" and host.device.type == "cpu":
         host = host.pin_memory()
