@@ -159,6 +159,9 @@ PLOTS = {
     "default_pair_speed_gpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s", "default pair on a GPU"),
     "transport_overhead_cpu": bar_plot(lambda r: r["transport"], "ray_overhead_ms", "ms per psd step",
                                        "draft-channel overhead (CPU)"),
+    **{f"payload_hop_{where}": bar_plot(lambda r: f"{r['route']} / {r['container']}", "hop_ms",
+                                        "ms, drafter end -> verifier start", f"a draft's hop to the verifier ({where})")
+       for where in ("cpu", "gpu")},
 }
 
 

@@ -53,9 +53,9 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
 EXTRA_COLUMNS = ["part", "status", "note", "alpha_group", "batch", "replicas", "in_flight", "n_requests", "completed",
                  "max_tokens", "prompt_len", "temperature", "load", "duration_s", "acceptance_rate",
                  "acceptance_length", "steady_steps", "prefill_share", "seq_share", "cadence_psd_ms", "cadence_seq_ms",
-                 "launch_gap_ms", "verifier_overlap", "build_s", "run_s", "models"]
+                 "launch_gap_ms", "verifier_overlap", "psd_high_load", "build_s", "run_s", "models"]
 STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
-           "prompt_len", "models", "verifier_overlap"}
+           "prompt_len", "models", "verifier_overlap", "psd_high_load"}
 INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
         "steady_steps"}
 TABLE_COLUMNS = ["part", "mode", "m", "batch", "k", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
@@ -1025,6 +1025,8 @@ def main(argv=None) -> int:
     p.add_argument("--transport", choices=["object_store"], default="object_store")
     p.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="auto",
                    help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
+    p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto",
+                   help="psd's choice when more requests want to run than one batch holds (EngineConfig.psd_high_load)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
@@ -1047,6 +1049,7 @@ def main(argv=None) -> int:
     setup = smoke_setup(args, work) if args.smoke else gpu_setup(args)
     if args.verifier_overlap != "auto":
         setup.engine["verifier_overlap"] = args.verifier_overlap == "on"
+    setup.engine["psd_high_load"] = args.psd_high_load
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]
@@ -1054,7 +1057,7 @@ def main(argv=None) -> int:
                "transport": setup.transport,
                # auto: on where the verifier has a GPU (the smoke runs on the CPU)
                "verifier_overlap": args.verifier_overlap if args.verifier_overlap != "auto"
-               else "off" if args.smoke else "on"}
+               else "off" if args.smoke else "on", "psd_high_load": args.psd_high_load}
     results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")

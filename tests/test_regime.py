@@ -18,7 +18,7 @@ def test_measures_psd_then_seq_then_runs_the_faster():
     step, regimes = feed(chooser, 0, {"psd": 20.0, "seq": 12.0, "n": 30})
     assert regimes[:4] == ["psd"] * 4 and regimes[4:8] == ["seq"] * 4
     assert set(regimes[8:]) == {"seq"}
-    assert abs(chooser.cadence_ms["psd"] - 20.0) < 1e-9 and abs(chooser.cadence_ms["seq"] - 12.0) < 1e-9
+    assert abs(chooser.cost["psd"] - 20.0) < 1e-9 and abs(chooser.cost["seq"] - 12.0) < 1e-9
 
 
 def test_switches_back_when_a_re_measurement_says_so():

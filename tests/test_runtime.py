@@ -104,6 +104,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
     try:
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        settled(llm)   # sd and ar keep a step queued behind the last one: let it run before counting
         numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager._seq))
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
         launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
@@ -211,6 +212,43 @@ def test_psd_low_load_measures_both_regimes_and_stays_lossless(ray_cluster, tiny
         assert all(v is not None and v > 0 for v in chosen["cadence_ms"].values()), chosen
         cadence = {r: [h.cadence_ms for h in history if h.regime == r and h.cadence_ms] for r in ("psd", "seq")}
         assert all(cadence.values()), cadence   # a request's period measured in both regimes
+    finally:
+        llm.shutdown()
+
+
+def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
+    """psd_high_load=seq: with more requests than one batch holds, psd keeps one sequential batch of at most
+    max_batch and queues the rest (sd_split's schedule) instead of splitting; output == ar's."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_high_load="seq", psd_low_load="seq",
+              torch_threads=1)
+    try:
+        outs = llm.generate(PROMPTS, [greedy(10)] * len(PROMPTS))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10]
+        history = llm.history()
+        assert {h.regime for h in history} == {"seq"}
+        assert max(sum(h.sizes) for h in history) <= 3 and max(h.verified for h in history) == 3
+        check_balance(history, max_batch=3)
+    finally:
+        llm.shutdown()
+
+
+def test_psd_high_load_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, tiny_llama_draft):
+    """psd_high_load=auto: under a queue psd measures the verifier's time per row split (first) and in one
+    sequential batch (after draining to max_batch), keeps the cheaper, and the output still equals ar's."""
+    prompts, n = PROMPTS * 2, 24
+    reference = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(prompts, greedy(n))
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1)
+    try:
+        outs = llm.generate(prompts, [greedy(n)] * len(prompts))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        history = llm.history()
+        regimes = [h.regime for h in history]
+        assert regimes.index("psd") < regimes.index("seq"), regimes
+        check_balance(history, max_batch=2)
+        chosen = llm.info()["high_load_regime"]
+        assert all(v is not None and v > 0 for v in chosen["ms_per_row"].values()), chosen
+        # while sequential, at most max_batch ran (the rest queued)
+        assert all(sum(h.sizes) <= 2 for h in history if h.extra.get("one_batch")), history
     finally:
         llm.shutdown()
 

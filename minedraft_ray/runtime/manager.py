@@ -104,6 +104,7 @@ class _Task:
     submitted: float = 0.0
     submitted_wall: float = field(default_factory=time.time)
     low_load: bool = False           # submitted while one batch held every running request
+    high_load: str | None = None     # submitted while more wanted to run than one batch holds: the regime chosen
     seq: int = -1                    # the verifier's launch order (workers.LaunchOrder)
     draft_generation: int = 0        # the drafter its drafts came from (restarts count up)
 
@@ -181,6 +182,9 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self.chooser = RegimeChooser()                 # psd or one sequential batch at low load
+        # ... and at high load, by the verifier's time per row; sequential until the split measures cheaper
+        # (re-measured rarely: trying the sequential batch means draining to max_batch running first)
+        self.high_chooser = RegimeChooser(explore_every=2000, explore_steps=12, metric="ms_per_row", current="seq")
         self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
@@ -387,7 +391,8 @@ class BatchManager:
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters,
                 "recent_steps": self.recent_steps(),
-                **({"low_load_regime": self.chooser.info()} if self.mode == "psd" else {})}
+                **({"low_load_regime": self.chooser.info(), "high_load_regime": self.high_chooser.info()}
+                   if self.mode == "psd" else {})}
 
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
@@ -516,10 +521,28 @@ class BatchManager:
             record.cadence_ms = (t_end - prev_end) * 1e3
             if task.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
                 self.chooser.observe(task.regime, record.cadence_ms, step)
+        # high load: the verifier's wall time per row advanced, prefills of arrivals included (both regimes pay
+        # them); the split only while it was the choice (not while draining towards one batch)
+        if task.high_load == task.regime and task.regime in ("psd", "seq") and self.mode == "psd":
+            self.high_chooser.observe(task.regime, record.step_ms / len(task.requests), step)
 
     def _low_load_regime(self) -> str:
         policy = self.config.psd_low_load
         return self.chooser.choose(self.counters["steps"]) if policy == "auto" else policy
+
+    def _high_load(self) -> bool:
+        """More requests want to run than one batch holds."""
+        return self._num_running() + len(self.waiting) > self.config.max_batch
+
+    def _high_load_regime(self) -> str:
+        policy = self.config.psd_high_load
+        return self.high_chooser.choose(self.counters["steps"]) if policy == "auto" else policy
+
+    def _sequential(self) -> bool:
+        """psd: run one sequential batch now (everyone fits one batch and the measurements favour it)."""
+        if self._num_running() > self.config.max_batch:
+            return False
+        return (self._high_load_regime() if self._high_load() else self._low_load_regime()) == "seq"
 
     def _commit(self, task: _Task, tokens: list[list[int]], logprobs) -> None:
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
@@ -587,8 +610,10 @@ class BatchManager:
             self._drafter_down(e)
 
     def _admit(self) -> list[Request]:
-        new = []
-        while (self.waiting and self._num_running() + len(new) < self.config.max_running
+        new, limit = [], self.config.max_running
+        if self.mode == "psd" and self.drafter_alive and self._high_load() and self._high_load_regime() == "seq":
+            limit = self.config.max_batch   # one sequential batch; the rest wait (and psd drains to it)
+        while (self.waiting and self._num_running() + len(new) < limit
                and self.slots.num_free > 0):
             r = self.waiting.popleft()
             r.slot = self.slots.alloc()
@@ -634,8 +659,9 @@ class BatchManager:
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter(), low_load=self._num_running() <= self.config.max_batch,
-                     seq=self._next_seq(), draft_generation=self.drafter_generation)
+                     submitted=time.perf_counter(), low_load=not self._high_load(),
+                     seq=self._next_seq(), draft_generation=self.drafter_generation,
+                     high_load=(self._high_load_regime() if self.mode == "psd" and self._high_load() else None))
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
@@ -740,8 +766,7 @@ class BatchManager:
         if self.mode != "psd":
             return
         total = self._num_running()
-        if total < self.config.psd_min_requests or (total <= self.config.max_batch
-                                                    and self._low_load_regime() == "seq"):
+        if total < self.config.psd_min_requests or self._sequential():
             self.one_batch = True
             keep = 0 if len(self.batches[0]) >= len(self.batches[1]) else 1
             if self.batches[1 - keep]:

@@ -1,4 +1,5 @@
-"""psd or one sequential batch, at loads one batch holds: chosen by measured per-request cadence.
+"""psd or one sequential batch: chosen by measurement, at low load by per-request cadence, at high load by
+the verifier's time per row.
 
 PSD splits the running requests into two batches that take turns on the verifier, so each request advances
 once every two verifies. When every running request fits one batch (at most max_batch), a single sequential
@@ -9,6 +10,16 @@ P50 latency was 1.15-1.52x sd_split's at 30-90 % load at adac596; bench/results/
 measures both: the cadence of a request is the time between two ends of its batch's verifies, averaged per
 regime over steps at such loads, and the regime without a recent measurement is tried for a few steps now
 and then (both regimes are lossless, so trying costs time only).
+
+At high load (more requests want to run than one batch holds), psd's split holds up to 2 x max_batch
+requests and the sequential batch holds max_batch and queues the rest. The split buys throughput only if a
+verify of half the rows costs clearly less than a sequential step of all of them; online, where prefills of
+arrivals take a large share of the verifier, it did not (2x H200, 8B/1B, k = 3: 7417 vs 7221 tokens/s at
+90 % load, while a request's period was 41 vs 18 ms and P50 latency 1.24x sd_split's; 0dfaed3,
+bench/results/psd_vs_sd_analysis.md). So the second chooser compares the verifier's wall time per row
+advanced (step time / rows) in each regime and takes the split only where it is cheaper by the margin: it
+starts sequential, since at equal cost a queue in front of the faster chain gives lower latencies than
+sharing the verifier among twice the requests when outputs are alike (FIFO against processor sharing).
 """
 from __future__ import annotations
 
@@ -18,19 +29,20 @@ from dataclasses import dataclass, field
 @dataclass
 class RegimeChooser:
     explore_every: int = 400     # steps between re-measurements of the regime not in use
-    explore_steps: int = 6       # cadence samples a (re-)measurement takes
+    explore_steps: int = 6       # samples a (re-)measurement takes
     smoothing: float = 0.2       # weight of a new sample in the running average
-    margin: float = 0.05         # the other regime must be this much faster to switch (no flapping)
-    cadence_ms: dict = field(default_factory=lambda: {"psd": None, "seq": None})
+    margin: float = 0.05         # the other regime must be this much cheaper to switch (no flapping)
+    metric: str = "cadence_ms"   # what a sample is (lower is better): a request's period, or ms per row
+    cost: dict = field(default_factory=lambda: {"psd": None, "seq": None})
     last_sample: dict = field(default_factory=lambda: {"psd": -10**9, "seq": -10**9})
     samples: dict = field(default_factory=lambda: {"psd": 0, "seq": 0})   # since the latest trial began
     current: str = "psd"
     trial: str | None = None     # the regime being (re-)measured now
 
-    def observe(self, regime: str, cadence_ms: float, step: int) -> None:
-        """One request cadence (ms between two verify ends of one batch) measured in `regime` at `step`."""
-        old = self.cadence_ms[regime]
-        self.cadence_ms[regime] = cadence_ms if old is None else (1 - self.smoothing) * old + self.smoothing * cadence_ms
+    def observe(self, regime: str, value: float, step: int) -> None:
+        """One sample of the metric (e.g. ms between two verify ends of one batch) in `regime` at `step`."""
+        old = self.cost[regime]
+        self.cost[regime] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
         self.last_sample[regime] = step
         self.samples[regime] += 1
 
@@ -46,10 +58,10 @@ class RegimeChooser:
                 return regime
         # both measured (a regime never sampled is always stale)
         other = "seq" if self.current == "psd" else "psd"
-        if self.cadence_ms[other] < self.cadence_ms[self.current] * (1 - self.margin):
+        if self.cost[other] < self.cost[self.current] * (1 - self.margin):
             self.current = other
         return self.current
 
     def info(self) -> dict:
         return {"current": self.current, "trial": self.trial,
-                "cadence_ms": {k: None if v is None else round(v, 3) for k, v in self.cadence_ms.items()}}
+                self.metric: {k: None if v is None else round(v, 4) for k, v in self.cost.items()}}
