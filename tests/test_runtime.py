@@ -195,23 +195,27 @@ def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_d
         llm.shutdown()
 
 
-def test_psd_low_load_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, tiny_llama_draft):
-    """At loads one batch holds, psd measures its own and a sequential batch's per-request cadence
-    (psd first, then sequential), runs the faster, and the output still equals ar's token for token."""
-    prompts, n = PROMPTS[:3], 48
+@pytest.mark.parametrize("load", ["low", "high"])
+def test_psd_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, tiny_llama_draft, load):
+    """Low load (one batch holds every request): psd measures its own and a sequential batch's per-request
+    cadence. High load (a queue): the verifier's time per row split and in one sequential batch, after draining
+    to max_batch. Both measure psd first, run the cheaper, and the output still equals ar's token for token."""
+    prompts, n, max_batch = (PROMPTS[:3], 48, 4) if load == "low" else (PROMPTS * 2, 24, 2)
     reference = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(prompts, greedy(n))
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, torch_threads=1)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=max_batch, torch_threads=1)
     try:
-        outs = llm.generate(prompts, [greedy(n)] * 3)
+        outs = llm.generate(prompts, [greedy(n)] * len(prompts))
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         history = llm.history()
         regimes = [h.regime for h in history]
         assert regimes.index("psd") < regimes.index("seq"), regimes
-        check_balance(history, max_batch=4)
-        chosen = llm.info()["low_load_regime"]
-        assert all(v is not None and v > 0 for v in chosen["cadence_ms"].values()), chosen
-        cadence = {r: [h.cadence_ms for h in history if h.regime == r and h.cadence_ms] for r in ("psd", "seq")}
-        assert all(cadence.values()), cadence   # a request's period measured in both regimes
+        check_balance(history, max_batch=max_batch)   # sequential steps: at most max_batch ran, the rest queued
+        chosen = llm.info()[f"{load}_load_regime"]
+        metric = "cadence_ms" if load == "low" else "ms_per_row"
+        assert all(v is not None and v > 0 for v in chosen[metric].values()), chosen
+        if load == "low":
+            cadence = {r: [h.cadence_ms for h in history if h.regime == r and h.cadence_ms] for r in ("psd", "seq")}
+            assert all(cadence.values()), cadence   # a request's period measured in both regimes
     finally:
         llm.shutdown()
 
@@ -228,27 +232,6 @@ def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llam
         assert {h.regime for h in history} == {"seq"}
         assert max(sum(h.sizes) for h in history) <= 3 and max(h.verified for h in history) == 3
         check_balance(history, max_batch=3)
-    finally:
-        llm.shutdown()
-
-
-def test_psd_high_load_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, tiny_llama_draft):
-    """psd_high_load=auto: under a queue psd measures the verifier's time per row split (first) and in one
-    sequential batch (after draining to max_batch), keeps the cheaper, and the output still equals ar's."""
-    prompts, n = PROMPTS * 2, 24
-    reference = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(prompts, greedy(n))
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1)
-    try:
-        outs = llm.generate(prompts, [greedy(n)] * len(prompts))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-        history = llm.history()
-        regimes = [h.regime for h in history]
-        assert regimes.index("psd") < regimes.index("seq"), regimes
-        check_balance(history, max_batch=2)
-        chosen = llm.info()["high_load_regime"]
-        assert all(v is not None and v > 0 for v in chosen["ms_per_row"].values()), chosen
-        # while sequential, at most max_batch ran (the rest queued)
-        assert all(sum(h.sizes) <= 2 for h in history if h.extra.get("one_batch")), history
     finally:
         llm.shutdown()
 
