@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The 2x H200 runs issue #3 needs, as two device calls of at most ~9.5 minutes each, each leaving at most 8
 # files in $OUT (what the device tool brings back):
-#   STAGE=1: the CUDA tests of the overlap copies and graphs; the default pair in float32 (greedy outputs of
-#            sd, sd_split and psd == ar's, token for token, on the GPUs); part 1 of bench.psd_vs_sd (closed
-#            workloads, m = 16 then 64, k sweeps, the sd / ar baselines) in what time is left.
+#   STAGE=1: the CUDA tests of the overlap copies and graphs; a draft's Ray hop on this host (bench.payload_hop);
+#            the default pair in float32 (greedy outputs of sd, sd_split and psd == ar's, token for token, on the
+#            GPUs); part 1 of bench.psd_vs_sd (closed workloads, m = 16 then 64, k sweeps, the sd / ar baselines)
+#            in what time is left.
 #   STAGE=2: part 2 (online Poisson arrivals psd / sd_split / sd_dp2, closed data-parallel baselines, the
 #            real-acceptance pair), its best k taken from the committed part-1 rows.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
@@ -18,7 +19,10 @@ if [ "$STAGE" = 1 ]; then
   timeout 150 python -m pytest -q -x -p no:cacheprovider tests/test_cuda_overlap.py tests/test_cuda_graphs.py \
     > "$OUT/cuda_tests.log" 2>&1
   say "CUDA tests rc=$?"; tail -2 "$OUT/cuda_tests.log"
-  timeout 170 python -m bench.default_pair_speed --dtype float32 --out "$OUT/default_pair_fp32" \
+  timeout 60 python -m bench.payload_hop --trips 200 --rounds 2 --out "$OUT/payload_hop" > "$OUT/payload_hop.log" 2>&1
+  say "payload hop rc=$?"; grep "^{" "$OUT/payload_hop.log" | cut -c1-160
+  rm -f "$OUT/payload_hop/"*.png
+  timeout 240 python -m bench.default_pair_speed --dtype float32 --out "$OUT/default_pair_fp32" \
     > "$OUT/default_pair_fp32.log" 2>&1
   say "default pair rc=$?"; grep "^{" "$OUT/default_pair_fp32.log" | cut -c1-260
   rm -f "$OUT/default_pair_fp32/"*.png
