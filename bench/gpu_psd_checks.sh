@@ -21,11 +21,11 @@ if [ "$STAGE" = 1 ]; then
   say "CUDA tests rc=$?"; tail -2 "$OUT/cuda_tests.log"
   timeout 60 python -m bench.payload_hop --trips 200 --rounds 2 --out "$OUT/payload_hop" > "$OUT/payload_hop.log" 2>&1
   say "payload hop rc=$?"; grep "^{" "$OUT/payload_hop.log" | cut -c1-160
-  rm -f "$OUT/payload_hop/"*.png
+  rm -f "$OUT/payload_hop/"*.png "$OUT/payload_hop/"*.md   # at most 8 files come back: the rows are in the log
   timeout 240 python -m bench.default_pair_speed --dtype float32 --out "$OUT/default_pair_fp32" \
     > "$OUT/default_pair_fp32.log" 2>&1
   say "default pair rc=$?"; grep "^{" "$OUT/default_pair_fp32.log" | cut -c1-260
-  rm -f "$OUT/default_pair_fp32/"*.png
+  rm -f "$OUT/default_pair_fp32/"*.png "$OUT/default_pair_fp32/"*.md
   l=$(left); say "part 1 with ${l} s"
   timeout "$l" python -m bench.psd_vs_sd --part 1 --ms 16,64 --alphas 0.8 --k-max 5 --batch-mults 1,2 \
     --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd1" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd1.log"
