@@ -53,6 +53,7 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
 EXTRA_COLUMNS = ["part", "status", "note", "alpha_group", "batch", "replicas", "in_flight", "n_requests", "completed",
                  "max_tokens", "prompt_len", "temperature", "load", "duration_s", "acceptance_rate",
                  "acceptance_length", "steady_steps", "prefill_share", "seq_share", "cadence_psd_ms", "cadence_seq_ms",
+                 "ms_per_row_psd", "ms_per_row_seq",
                  "launch_gap_ms", "verifier_overlap", "psd_high_load", "build_s", "run_s", "models"]
 STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
            "prompt_len", "models", "verifier_overlap", "psd_high_load"}
@@ -64,7 +65,7 @@ TABLE_COLUMNS = ["part", "mode", "m", "batch", "k", "alpha", "n_gpus", "in_fligh
 ONLINE_TABLE_COLUMNS = ["mode", "load", "rate_rps", "k", "n_gpus", "n_requests", "completed", "tokens_per_s",
                         "lat_mean_s", "lat_p50_s", "lat_p99_s", "ttft_mean_s", "ttft_p99_s", "step_ms",
                         "verifier_busy", "ray_overhead_ms", "prefill_share", "seq_share", "cadence_psd_ms",
-                        "cadence_seq_ms"]
+                        "cadence_seq_ms", "ms_per_row_psd", "ms_per_row_seq"]
 GPUS_PER_REPLICA = {"psd": 2, "sd_split": 2, "sd": 1, "ar": 1}
 MAIN_REGIME = {"psd": "psd", "sd_split": "seq", "sd": "sd", "ar": "ar"}
 EDGE_FRACTION = 0.05  # steps dropped at each end of a run before steady-state statistics
@@ -330,6 +331,9 @@ def steady_stats(histories: list[list], mode: str) -> dict:
     # a request's period (ms between two verify ends of its batch) in each regime: what the choice compares
     regimes = {f"cadence_{regime}_ms": [r.cadence_ms for r in every if r.regime == regime and r.cadence_ms]
                for regime in ("psd", "seq")}
+    # under a queue: the verifier's time per row in each regime, what psd_high_load=auto compares
+    regimes |= {f"ms_per_row_{regime}": [r.step_ms / r.verified for r in every if r.verified and r.regime == regime
+                                         and r.extra.get("high_load") == regime] for regime in ("psd", "seq")}
     shares = {"prefill_share": prefill_share, "seq_share": seq_share,
               **{name: float(np.median(v)) if v else None for name, v in regimes.items()}}
     for history in histories:

@@ -496,6 +496,8 @@ class BatchManager:
         record.sizes = (len(self.batches[0]), len(self.batches[1]))
         if self.mode == "psd":
             record.extra["one_batch"] = self.one_batch   # the balance invariant is psd's, not this chain's
+            if task.high_load:
+                record.extra["high_load"] = task.high_load   # the regime chosen under a queue (regime.py)
         now = time.perf_counter()
         # the verifier's cycle: from the end of its previous verify (or this one's submission, after idle)
         # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
