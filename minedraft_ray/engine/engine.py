@@ -35,10 +35,11 @@ def default_device() -> torch.device:
 
 
 def draft_rows(requests: list[Request]) -> list[DraftRow]:
-    """What the drafter must be fed for each request: everything past what its slot already holds."""
+    """What the drafter must be fed for each request: everything past what its slot already holds (from the
+    start for a one-token prompt)."""
     rows = []
     for r in requests:
-        valid = min(r.draft_valid, r.seq_len - 2)
+        valid = max(0, min(r.draft_valid, r.seq_len - 2))
         rows.append(DraftRow(r.slot, valid, r.tail(valid)))
     return rows
 

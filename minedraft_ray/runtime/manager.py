@@ -651,13 +651,11 @@ class BatchManager:
             drafted = [r for r in rows if r.inflight == 0 and ahead.rows.get(id(r), (0, None))[1] == r.last_seq]
         else:
             drafted = [r for r in rows if r.inflight == 0]
+        # each row's row in the drafts: in the round drafted ahead, or in the one submitted below
         if ahead is not None:
-            ids = {id(r) for r in drafted}
-            index = [ahead.rows[id(r)][0] if id(r) in ids else -1 for r in rows]
             self.counters["draft_rows_unused"] += len(ahead.rows) - len(drafted)
-        else:
-            order = {id(r): i for i, r in enumerate(drafted)}
-            index = [order.get(id(r), -1) for r in rows]
+        row_of = {id(r): ahead.rows[id(r)][0] if ahead is not None else i for i, r in enumerate(drafted)}
+        index = [row_of.get(id(r), -1) for r in rows]
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
@@ -693,7 +691,7 @@ class BatchManager:
         meanwhile; at the next verify, rows whose state moved on otherwise (moved, re-verified) go without."""
         at_verify = {id(r): row for row, r in enumerate(verify.requests)}
         sources, source_of = [verify.ref], {}
-        rows, seeds, positions, built = [], [], [], {}
+        rows, built = [], {}
         for r in self.batches[b]:
             vrow = at_verify.get(id(r))
             if r.finished or r.inflight != (vrow is not None) + r.prefilling:
@@ -713,14 +711,12 @@ class BatchManager:
             # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
             all_but_two = (vrow is not None and verify.num_drafts[vrow] > 0) or \
                 (r.prefilling and r.draft_valid >= len(r.prompt_ids))
-            valid = max(0, min(r.draft_valid, r.seq_len - 2))   # a one-token prompt: from its start
             built[id(r)] = (len(rows), last)
-            rows.append((r.slot, valid, r.tail(valid), takes, all_but_two))
-            seeds.append(r.seed)
-            positions.append(len(r.output_ids))
+            rows.append((r, takes, all_but_two))
         if not rows:
             return
-        drafts_ref, ms_ref = self.channel.submit(self.drafter, (rows, self.k, seeds, positions, *sources))
+        args = self._draft_args([r for r, _, _ in rows], [(takes, abt) for _, takes, abt in rows])
+        drafts_ref, ms_ref = self.channel.submit(self.drafter, (*args, *sources))
         self.draft_ahead[b] = _DraftAhead(drafts_ref, ms_ref, built, self.drafter_generation)
 
     def _next_seq(self) -> int:
@@ -728,9 +724,11 @@ class BatchManager:
         self._seq += 1
         return self._seq - 1
 
-    def _draft_args(self, batch: list[Request]) -> tuple:
-        """(rows (slot, valid, catchup, takes, all_but_two), k, seeds, output positions of the first drafts)."""
-        rows = [(row.slot, row.valid, row.catchup, (), False) for row in draft_rows(batch)]
+    def _draft_args(self, batch: list[Request], ahead: list[tuple] | None = None) -> tuple:
+        """(rows (slot, valid, committed tail, takes, all_but_two), k, seeds, output positions of the first
+        drafts); `ahead`: per request the (takes, all_but_two) of a round drafted ahead (DrafterWorker.draft)."""
+        ahead = ahead or [((), False)] * len(batch)
+        rows = [(row.slot, row.valid, row.catchup, *extra) for row, extra in zip(draft_rows(batch), ahead)]
         return rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
 
     # ---- batches -------------------------------------------------------------------------------
