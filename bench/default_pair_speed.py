@@ -31,8 +31,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=4)
     ap.add_argument("--dtype", default="auto", help="float32: greedy outputs comparable token for token")
+    ap.add_argument("--modes", default="ar,sd,sd_split,psd", help="ar first: the others are compared with it")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if modes[0] != "ar":
+        ap.error("--modes must start with ar (the reference)")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     gpu = torch.cuda.is_available()
     ray.init(address="local", include_dashboard=False, num_gpus=None if gpu else 2,
@@ -40,7 +44,7 @@ def main() -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, base, reference = [], None, None
-    for mode in ("ar", "sd", "sd_split", "psd"):
+    for mode in modes:
         cfg = EngineConfig(mode=mode, k=args.k, max_batch=args.max_batch, torch_threads=None if gpu else 1,
                            dtype=args.dtype, **({"draft": None} if mode == "ar" else {}))
         llm = LLM(config=cfg)

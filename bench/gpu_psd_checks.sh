@@ -7,6 +7,9 @@
 #            in what time is left.
 #   STAGE=2: part 2 (online Poisson arrivals psd / sd_split / sd_dp2, closed data-parallel baselines, the
 #            real-acceptance pair), its best k taken from the committed part-1 rows.
+#   STAGE=3: after a change to psd alone: psd's part 2 (closed, then online at the committed baselines' arrival
+#            rates, CAPACITY req/s x 30/60/90 %), psd's float32 greedy equality with ar on the default pair, the
+#            payload hop on this host.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -31,6 +34,20 @@ if [ "$STAGE" = 1 ]; then
     --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd1" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd1.log"
   say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
   rm -f "$OUT/psd1/psd_vs_sd.png"
+elif [ "$STAGE" = 3 ]; then
+  : "${CAPACITY:?}"
+  timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \
+    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 235 --out "$OUT/psd2" \
+    2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd2.log"
+  say "psd part 2 rc=$?"; grep -E '^\[|^skipped|^online' "$OUT/psd2.log" | tail -30
+  rm -f "$OUT/psd2/psd_vs_sd.png"
+  timeout 150 python -m bench.default_pair_speed --dtype float32 --modes ar,psd --out "$OUT/default_pair_fp32" \
+    > "$OUT/default_pair_fp32.log" 2>&1
+  say "default pair rc=$?"; grep "^{" "$OUT/default_pair_fp32.log" | cut -c1-260
+  rm -f "$OUT/default_pair_fp32/"*.png "$OUT/default_pair_fp32/"*.md
+  timeout 60 python -m bench.payload_hop --trips 200 --rounds 2 --out "$OUT/payload_hop" > "$OUT/payload_hop.log" 2>&1
+  say "payload hop rc=$?"; grep "^{" "$OUT/payload_hop.log" | cut -c1-160
+  rm -f "$OUT/payload_hop/"*.png "$OUT/payload_hop/"*.md
 else
   timeout 100 python -m pytest -q -p no:cacheprovider tests/test_cuda_overlap.py tests/test_cuda_graphs.py \
     > "$OUT/cuda_tests.log" 2>&1

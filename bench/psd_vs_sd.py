@@ -394,7 +394,7 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
     while True:
         t += rng.exponential(1.0 / rate)
         if t > duration:
-            return times
+            return times or [duration / 2]   # at least one request (a short window at a low rate may have none)
         times.append(t)
 
 
@@ -783,6 +783,10 @@ class Bench:
         # sd_split first: psd must not be slower than it at low load (the regime switch's condition)
         split = [Spec("sd_split", m, k_psd, a)] if setup.split_online else []
         online = [psd] + split + [dp[mode] for mode in setup.dp_modes]
+        if args.part2_modes:   # a subset: e.g. psd alone after a change to psd only
+            keep = set(args.part2_modes.split(","))
+            online = [s for s in online if s.label in keep]
+            real = [s for s in real if "real" in keep]
         runs = len(online) * len(setup.loads)
         drain_est = 1.0 if setup.smoke else 4.0
         waves = budget.fit_waves([(s, m) for s in online + real], reserve_s=runs * (setup.online_s[0] + drain_est))
@@ -791,9 +795,12 @@ class Bench:
         closed_psd = rows + res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed")
         closed_psd = [r for r in closed_psd if r.get("status") == "ok"]
         capacity = closed_psd[0]["n_requests"] / closed_psd[0]["run_s"] if closed_psd else None
+        if args.capacity:   # the arrival rates of an earlier run (its baselines' rows stay comparable)
+            say(f"online: arrival rates relative to {args.capacity} req/s, not this psd's {fmt(capacity)} req/s")
+            capacity = args.capacity
         rest = sum(budget.est_job(s, waves * 2 * m) for s in online[1:] + real)
         duration = (budget.left() - rest) / runs - drain_est
-        duration = min(setup.online_s[1], max(setup.online_s[0], duration))
+        duration = args.online_s or min(setup.online_s[1], max(setup.online_s[0], duration))
         rates = [load * capacity for load in setup.loads] if capacity else []
         say(f"online: psd closed-loop capacity {fmt(capacity)} req/s -> {[round(r, 2) for r in rates]} req/s, "
             f"{duration:.1f} s of arrivals each")
@@ -813,7 +820,7 @@ class Bench:
                 self.record(spec, m, "closed", status="skipped", note="time budget")
         # beyond the plan: one sd replica against the same arrivals (the paper's SD, on one GPU)
         single = Spec("sd", m, k_sd, a)
-        if setup.extras and rates and budget.left() > budget.est_build(single) + len(rates) * (duration + drain_est):
+        if setup.extras and not args.part2_modes and rates and budget.left() > budget.est_build(single) + len(rates) * (duration + drain_est):
             self.online(single, m, rates, duration)
 
     def online(self, spec: Spec, m: int, rates: list[float], duration: float) -> None:
@@ -1031,6 +1038,13 @@ def main(argv=None) -> int:
                    help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
     p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto",
                    help="psd's choice when more requests want to run than one batch holds (EngineConfig.psd_high_load)")
+    p.add_argument("--part2-modes", default=None,
+                   help="part 2: only these of psd,sd_split,sd_dp2,ar_dp2,real (default: all)")
+    p.add_argument("--capacity", type=float, default=None,
+                   help="part 2: the closed-loop capacity (req/s) the arrival rates are relative to (default: "
+                   "psd's in this run)")
+    p.add_argument("--online-s", type=float, default=None,
+                   help="part 2: seconds of arrivals per load (default: what the budget allows, 20-60)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, fake GPUs: checks the script")
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")

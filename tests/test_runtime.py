@@ -236,10 +236,26 @@ def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llam
         llm.shutdown()
 
 
+def test_psd_queues_until_the_demand_fills_both_batches(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
+    """psd_high_load=auto: a demand above one batch but short of two is served FIFO by one sequential batch (the
+    split would share the verifier among more requests for little more throughput); output == ar's."""
+    prompts = PROMPTS[:7]   # max_batch 4: more than one batch holds, fewer than two
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, psd_low_load="seq", torch_threads=1)
+    try:
+        outs = llm.generate(prompts, [greedy(10)] * len(prompts))
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:7]]
+        history = llm.history()
+        assert {h.regime for h in history} == {"seq"}
+        assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
+        assert llm.info()["high_load_regime"]["saturated"] is False
+    finally:
+        llm.shutdown()
+
+
 def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
     """Below psd_min_requests the manager runs one sequential batch (psd would move each request
     only every other step); at or above it, the two batches ping-pong."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, psd_min_requests=3, psd_low_load="psd",
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=8, psd_min_requests=3, psd_low_load="psd",
               torch_threads=1)
     try:
         outs = llm.generate(PROMPTS[:2], [greedy(10)] * 2)

@@ -182,9 +182,10 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self.chooser = RegimeChooser()                 # psd or one sequential batch at low load
-        # ... and at high load, by the verifier's time per row; sequential until the split measures cheaper
-        # (re-measured rarely: trying the sequential batch means draining to max_batch running first)
+        # ... and at high load, once saturated, by the verifier's time per row; sequential until the split
+        # measures cheaper (re-measured rarely: trying the sequential batch means draining to max_batch first)
         self.high_chooser = RegimeChooser(explore_every=2000, explore_steps=12, metric="ms_per_row", current="seq")
+        self.saturated = False   # psd: the demand filled both batches and has not yet fallen back to one batch
         self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
@@ -391,7 +392,8 @@ class BatchManager:
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters,
                 "recent_steps": self.recent_steps(),
-                **({"low_load_regime": self.chooser.info(), "high_load_regime": self.high_chooser.info()}
+                **({"low_load_regime": self.chooser.info(), "high_load_regime": {**self.high_chooser.info(),
+                                                                                   "saturated": self.saturated}}
                    if self.mode == "psd" else {})}
 
     def recent_steps(self, n: int = 200) -> dict:
@@ -523,10 +525,11 @@ class BatchManager:
             record.cadence_ms = (t_end - prev_end) * 1e3
             if task.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
                 self.chooser.observe(task.regime, record.cadence_ms, step)
-        # high load: the verifier's wall time per row advanced, prefills of arrivals included (both regimes pay
-        # them); the split only while it was the choice (not while draining towards one batch)
+        # high load: the verifier's wall time per row advanced, prefills left out (every request is prefilled
+        # once in either regime); the split only while it was the choice (not while draining towards one batch)
         if task.high_load == task.regime and task.regime in ("psd", "seq") and self.mode == "psd":
-            self.high_chooser.observe(task.regime, record.step_ms / len(task.requests), step)
+            self.high_chooser.observe(task.regime, (record.step_ms - record.t_prefill_ms) / len(task.requests),
+                                      step)
 
     def _low_load_regime(self) -> str:
         policy = self.config.psd_low_load
@@ -536,9 +539,28 @@ class BatchManager:
         """More requests want to run than one batch holds."""
         return self._num_running() + len(self.waiting) > self.config.max_batch
 
+    def _update_saturation(self) -> None:
+        """Saturated from a demand that fills both batches until one batch holds it again (hysteresis: leaving
+        at max_batch needs no drain, and a demand between the two keeps the regime it has)."""
+        demand = self._num_running() + len(self.waiting)
+        if demand >= 2 * self.config.max_batch:
+            self.saturated = True
+        elif demand <= self.config.max_batch:
+            self.saturated = False
+
     def _high_load_regime(self) -> str:
+        """psd under a queue: forced by psd_high_load, else sequential (FIFO) until saturated, then measured."""
         policy = self.config.psd_high_load
-        return self.high_chooser.choose(self.counters["steps"]) if policy == "auto" else policy
+        if policy != "auto":
+            return policy
+        return self.high_chooser.choose(self.counters["steps"]) if self.saturated else "seq"
+
+    def _high_load_choice(self) -> str | None:
+        """The regime a verify submitted now runs under a queue, where it was a choice (forced or measured):
+        recorded with the step, and what the high-load chooser's samples are filed under."""
+        if self.mode != "psd" or not self._high_load() or (self.config.psd_high_load == "auto" and not self.saturated):
+            return None
+        return self._high_load_regime()
 
     def _sequential(self) -> bool:
         """psd: run one sequential batch now (everyone fits one batch and the measurements favour it)."""
@@ -571,6 +593,7 @@ class BatchManager:
         a verify in flight. Runs when batch `committed` has just been committed (None: from idle).
         Returns the number of requests admitted."""
         self._retire()
+        self._update_saturation()
         new = self._admit()
         if new:
             for r in new:
@@ -661,7 +684,7 @@ class BatchManager:
         task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
                      submitted=time.perf_counter(), low_load=not self._high_load(),
                      seq=self._next_seq(), draft_generation=self.drafter_generation,
-                     high_load=(self._high_load_regime() if self.mode == "psd" and self._high_load() else None))
+                     high_load=self._high_load_choice())
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)

@@ -12,28 +12,35 @@ regime over steps at such loads, and the regime without a recent measurement is 
 and then (both regimes are lossless, so trying costs time only).
 
 At high load (more requests want to run than one batch holds), psd's split holds up to 2 x max_batch
-requests and the sequential batch holds max_batch and queues the rest. The split buys throughput only if a
-verify of half the rows costs clearly less than a sequential step of all of them; online, where prefills of
-arrivals take a large share of the verifier, it did not (2x H200, 8B/1B, k = 3: 7417 vs 7221 tokens/s at
-90 % load, while a request's period was 41 vs 18 ms and P50 latency 1.24x sd_split's; 0dfaed3,
-bench/results/psd_vs_sd_analysis.md). So the second chooser compares the verifier's wall time per row
-advanced (step time / rows) in each regime and takes the split only where it is cheaper by the margin: it
-starts sequential, since at equal cost a queue in front of the faster chain gives lower latencies than
-sharing the verifier among twice the requests when outputs are alike (FIFO against processor sharing).
+requests and the sequential batch holds max_batch and queues the rest. The split buys throughput only where a
+verify of half the rows costs clearly less than a sequential step of all of them, and it costs latency: a
+queue in front of the faster sequential chain serves requests of similar length sooner than sharing the
+verifier among twice as many (FIFO against processor sharing). Online at 60-90 % load the split lost (2x
+H200, 8B/1B, k = 3, 0dfaed3: P50 1.24x sd_split's at 90 %, 3 % more tokens/s, a request's period 41 against
+18 ms). So psd considers the split only once the demand fills both batches (running + waiting >=
+2 x max_batch, "saturated") and leaves it only when one batch holds the demand again (no drain needed), and
+while saturated a second chooser compares the verifier's time per row advanced in each regime, prefills
+left out (every request is prefilled once in either regime; counting them charged the split for the burst of
+admissions it starts with). It starts sequential and takes the split only where that is cheaper by the margin.
+
+A regime's cost is the median of its latest samples (a trial's worth), so a step that captured a CUDA graph or
+waited on a restart does not decide.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
 @dataclass
 class RegimeChooser:
     explore_every: int = 400     # steps between re-measurements of the regime not in use
-    explore_steps: int = 6       # samples a (re-)measurement takes
-    smoothing: float = 0.2       # weight of a new sample in the running average
+    explore_steps: int = 6       # samples a (re-)measurement takes; a regime's cost is the median of its latest as many
     margin: float = 0.05         # the other regime must be this much cheaper to switch (no flapping)
     metric: str = "cadence_ms"   # what a sample is (lower is better): a request's period, or ms per row
     cost: dict = field(default_factory=lambda: {"psd": None, "seq": None})
+    recent: dict = field(default_factory=dict)   # per regime: its latest explore_steps samples
     last_sample: dict = field(default_factory=lambda: {"psd": -10**9, "seq": -10**9})
     samples: dict = field(default_factory=lambda: {"psd": 0, "seq": 0})   # since the latest trial began
     current: str = "psd"
@@ -41,8 +48,9 @@ class RegimeChooser:
 
     def observe(self, regime: str, value: float, step: int) -> None:
         """One sample of the metric (e.g. ms between two verify ends of one batch) in `regime` at `step`."""
-        old = self.cost[regime]
-        self.cost[regime] = value if old is None else (1 - self.smoothing) * old + self.smoothing * value
+        recent = self.recent.setdefault(regime, deque(maxlen=self.explore_steps))
+        recent.append(value)
+        self.cost[regime] = statistics.median(recent)
         self.last_sample[regime] = step
         self.samples[regime] += 1
 
