@@ -10,6 +10,7 @@
 #   STAGE=3: after a change to psd alone: psd's part 2 (closed, then online at the committed baselines' arrival
 #            rates, CAPACITY req/s x 30/60/90 %), psd's float32 greedy equality with ar on the default pair, the
 #            payload hop on this host.
+#   STAGE=4: part 1 at m = 16 alone (k = 1-5 and the sd / ar baselines), in one call.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -32,6 +33,11 @@ if [ "$STAGE" = 1 ]; then
   l=$(left); say "part 1 with ${l} s"
   timeout "$l" python -m bench.psd_vs_sd --part 1 --ms 16,64 --alphas 0.8 --k-max 5 --batch-mults 1,2 \
     --temperature 0 --budget-s $(( l - 25 )) --out "$OUT/psd1" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd1.log"
+  say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
+  rm -f "$OUT/psd1/psd_vs_sd.png"
+elif [ "$STAGE" = 4 ]; then
+  timeout 540 python -m bench.psd_vs_sd --part 1 --ms 16 --alphas 0.8 --k-max 5 --batch-mults 1,2 \
+    --temperature 0 --budget-s 510 --out "$OUT/psd1" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd1.log"
   say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
   rm -f "$OUT/psd1/psd_vs_sd.png"
 elif [ "$STAGE" = 3 ]; then
