@@ -724,6 +724,8 @@ class Bench:
         setup, budget = self.setup, self.budget
         jobs = self.plan_part1()
         group_waves: dict[tuple, int] = {}
+        if self.args.part1_modes:   # a subset: e.g. psd alone after a change to psd only
+            jobs = [j for j in jobs if j.estimate.mode in self.args.part1_modes.split(",")]
         bar = progress(None, "part 1 configurations", total=len(jobs))
         while jobs:
             job = jobs.pop(0)
@@ -1038,6 +1040,7 @@ def main(argv=None) -> int:
                    help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
     p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto",
                    help="psd's choice when more requests want to run than one batch holds (EngineConfig.psd_high_load)")
+    p.add_argument("--part1-modes", default=None, help="part 1: only these of psd,sd,ar,sd_split (default: all)")
     p.add_argument("--part2-modes", default=None,
                    help="part 2: only these of psd,sd_split,sd_dp2,ar_dp2,real (default: all)")
     p.add_argument("--capacity", type=float, default=None,

@@ -181,10 +181,13 @@ class BatchManager:
         # per batch: (end of its latest verify, step, regime, prefills done by then)
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
-        self.chooser = RegimeChooser()                 # psd or one sequential batch at low load
-        # ... and at high load, once saturated, by the verifier's time per row; sequential until the split
-        # measures cheaper (re-measured rarely: trying the sequential batch means draining to max_batch first)
-        self.high_chooser = RegimeChooser(explore_every=2000, explore_steps=12, metric="ms_per_row", current="seq")
+        # psd or one sequential batch at low load; at high load, once saturated, by the verifier's time per row,
+        # sequential until the split measures cheaper (re-measured rarely: trying the sequential batch means
+        # draining to max_batch first)
+        self._chooser_args = {"low": {}, "high": dict(explore_every=2000, explore_steps=12, metric="ms_per_row",
+                                                      current="seq")}
+        self.chooser = RegimeChooser(**self._chooser_args["low"])
+        self.high_chooser = RegimeChooser(**self._chooser_args["high"])
         self.saturated = False   # psd: the demand filled both batches and has not yet fallen back to one batch
         self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
@@ -379,6 +382,9 @@ class BatchManager:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
             self.k = k
+            # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
+            self.chooser = RegimeChooser(**self._chooser_args["low"])
+            self.high_chooser = RegimeChooser(**self._chooser_args["high"])
         if bench is not None:
             self.bench = bench
             await self._get(self.verifier.set_bench.remote(bench), "reconfigure")
@@ -556,9 +562,14 @@ class BatchManager:
         return self.high_chooser.choose(self.counters["steps"]) if self.saturated else "seq"
 
     def _high_load_choice(self) -> str | None:
-        """The regime a verify submitted now runs under a queue, where it was a choice (forced or measured):
-        recorded with the step, and what the high-load chooser's samples are filed under."""
-        if self.mode != "psd" or not self._high_load() or (self.config.psd_high_load == "auto" and not self.saturated):
+        """The regime a verify submitted now runs under a queue, where it was a choice (forced, or measured while
+        the demand fills both batches): recorded with the step, and what the high-load chooser's samples are
+        filed under. Not in the hysteresis band: a closed burst's tail (batches emptying) would charge the split
+        for rows it no longer has, and keep it from being tried again for explore_every steps."""
+        if self.mode != "psd" or not self._high_load():
+            return None
+        if self.config.psd_high_load == "auto" and (
+                not self.saturated or self._num_running() + len(self.waiting) < 2 * self.config.max_batch):
             return None
         return self._high_load_regime()
 
