@@ -931,6 +931,8 @@ def comparisons(rows: list[dict]) -> list[dict]:
             if b is None:
                 continue
             for metric, higher in (("tokens_per_s", True), ("tokens_per_s_per_gpu", True), ("lat_p99_s", False)):
+                if metric == "lat_p99_s" and psd.get("n_requests") != b.get("n_requests"):
+                    continue   # a closed run's tail latency grows with its request count: compare equal runs
                 out.append(_compare(f"closed m={m} alpha={a}", psd, name, b, metric, higher))
     timed = _ok(rows, workload="online")
     for load in sorted({r["load"] for r in timed}):
