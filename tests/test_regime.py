@@ -47,3 +47,10 @@ def test_an_outlier_step_does_not_decide():
     step, regimes = feed(chooser, 5, {"psd": 9.0, "seq": 16.0, "n": 20})
     assert regimes[:5] == ["seq"] * 5 and set(regimes[5:]) == {"psd"}
     assert chooser.cost["psd"] == 9.0
+
+
+def test_high_load_order_measures_the_sequential_batch_first():
+    """The high-load chooser measures seq first (demand rises from one batch: no drain), then the split."""
+    chooser = RegimeChooser(explore_every=2000, explore_steps=3, current="seq", order=("seq", "psd"))
+    _, regimes = feed(chooser, 0, {"psd": 0.14, "seq": 0.26, "n": 10})
+    assert regimes[:3] == ["seq"] * 3 and regimes[3:6] == ["psd"] * 3 and set(regimes[6:]) == {"psd"}

@@ -185,7 +185,7 @@ class BatchManager:
         # sequential until the split measures cheaper (re-measured rarely: trying the sequential batch means
         # draining to max_batch first)
         self._chooser_args = {"low": {}, "high": dict(explore_every=2000, explore_steps=12, metric="ms_per_row",
-                                                      current="seq")}
+                                                      current="seq", order=("seq", "psd"))}
         self.chooser = RegimeChooser(**self._chooser_args["low"])
         self.high_chooser = RegimeChooser(**self._chooser_args["high"])
         self.saturated = False   # psd: the demand filled both batches and has not yet fallen back to one batch

@@ -22,6 +22,9 @@ H200, 8B/1B, k = 3, 0dfaed3: P50 1.24x sd_split's at 90 %, 3 % more tokens/s, a 
 while saturated a second chooser compares the verifier's time per row advanced in each regime, prefills
 left out (every request is prefilled once in either regime; counting them charged the split for the burst of
 admissions it starts with). It starts sequential and takes the split only where that is cheaper by the margin.
+It measures the sequential batch first: demand rises from one batch's worth, so neither first measurement
+needs a drain (measuring the split first meant draining 2 x max_batch running requests to max_batch, in a
+closed burst a whole request lifetime of shrinking split batches).
 
 A regime's cost is the median of its latest samples (a trial's worth), so a step that captured a CUDA graph or
 waited on a restart does not decide.
@@ -44,6 +47,7 @@ class RegimeChooser:
     last_sample: dict = field(default_factory=lambda: {"psd": -10**9, "seq": -10**9})
     samples: dict = field(default_factory=lambda: {"psd": 0, "seq": 0})   # since the latest trial began
     current: str = "psd"
+    order: tuple = ("psd", "seq")   # which regime a first measurement tries first
     trial: str | None = None     # the regime being (re-)measured now
 
     def observe(self, regime: str, value: float, step: int) -> None:
@@ -60,7 +64,7 @@ class RegimeChooser:
             if self.samples[self.trial] < self.explore_steps:
                 return self.trial
             self.trial = None
-        for regime in ("psd", "seq"):   # measure whichever is unknown or stale (psd, the paper's, first)
+        for regime in self.order:   # measure whichever is unknown or stale
             if step - self.last_sample[regime] > self.explore_every:
                 self.trial, self.samples[regime] = regime, 0
                 return regime
