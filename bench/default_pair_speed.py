@@ -49,7 +49,10 @@ def main() -> None:
                            dtype=args.dtype, **({"draft": None} if mode == "ar" else {}))
         llm = LLM(config=cfg)
         try:
-            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8))   # warm-up
+            # warm-up at the run's load: every request (short), so psd's first regime measurements (runtime/regime.py)
+            # and every batch size the run meets happen here, not in the timed run
+            llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=4 + 4 * (i % 4), ignore_eos=True)
+                                   for i in range(len(prompts))])
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
