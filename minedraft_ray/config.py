@@ -46,7 +46,8 @@ class EngineConfig(BaseModel):
     psd_high_load: Literal["auto", "psd", "seq"] = Field(
         "auto", description="psd when more requests want to run than one batch holds: split them into two "
         "batches (up to 2x max_batch running), or keep one sequential batch and queue the rest (seq); auto "
-        "measures the verifier's time per row in both and takes the split only where it is cheaper")
+        "queues until the demand fills both batches, then measures the verifier's time per row in both and "
+        "takes the split only where it is cheaper")
     verifier_overlap: bool | None = Field(None, description="the verifier's next queued step launches while the "
                                           "current one runs on the device (default: on a GPU, off on a CPU)")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
