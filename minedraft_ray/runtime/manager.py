@@ -99,6 +99,7 @@ class _Task:
     num_drafts: list[int]
     regime: str = ""
     draft_ms_ref: object = None      # the drafter's timing result (the drafts go to the verifier by ref)
+    drafts: object = None            # what the verify names as its drafts (a ref, or a direct channel's key)
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
@@ -156,8 +157,13 @@ class BatchManager:
                         model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
             config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
             self.config = config
+        self.channel = make_channel(config.transport)
+        if self.channel.needs_threaded_verifier and config.verifier_overlap is False:
+            raise ValueError(f"transport {config.transport!r} needs verifier_overlap (a verify waits for its "
+                             "drafts in a thread of its own)")
         if config.verifier_overlap is None:
-            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
+            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)
+                                               or self.channel.needs_threaded_verifier})
             self.config = config
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
@@ -208,7 +214,6 @@ class BatchManager:
         self._restart_task: asyncio.Task | None = None
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
-        self.channel = make_channel(config.transport)
         self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes()
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -396,7 +401,8 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
                 "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
-                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name, **self.counters,
+                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name,
+                "verifier_overlap": self.config.verifier_overlap, **self.counters,
                 "recent_steps": self.recent_steps(),
                 **({"low_load_regime": self.chooser.info(), "high_load_regime": {**self.high_chooser.info(),
                                                                                    "saturated": self.saturated}}
@@ -474,8 +480,10 @@ class BatchManager:
                 if task.draft_generation == self.drafter_generation:   # not a round for a drafter since replaced
                     self._drafter_down(e)
                 # under its own number: a task whose argument failed never ran, so its turn is still open
-                task.ref = self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
-                                                       self._num_logprobs(task.requests))
+                task.ref = self.channel.without_drafts(
+                    self.verifier, task.drafts, task.ref,
+                    lambda: self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
+                                                        self._num_logprobs(task.requests)))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
         result = await self._verifier_result(task.ref, task.kind)
         t_arrived = time.perf_counter()
@@ -676,6 +684,7 @@ class BatchManager:
         ahead, self.draft_ahead[b] = self.draft_ahead[b], None
         if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
             self.counters["draft_rows_unused"] += len(ahead.rows)
+            self.channel.discard(self.verifier, ahead.drafts_ref)
             ahead = None   # for a drafter that died since (its rows fail) or no longer wanted
         if regime == "sd":
             drafted = rows
@@ -701,12 +710,15 @@ class BatchManager:
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
         elif drafted:
             if ahead is not None:
-                drafts_ref, task.draft_ms_ref = ahead.drafts_ref, ahead.ms_ref
+                task.drafts, task.draft_ms_ref = ahead.drafts_ref, ahead.ms_ref
                 self.counters["drafts_ahead_used"] += 1
             else:
-                drafts_ref, task.draft_ms_ref = self.channel.submit(self.drafter, self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, drafts_ref, index, nlp)
+                task.drafts, task.draft_ms_ref = self.channel.submit(self.drafter, self.verifier,
+                                                                     self._draft_args(drafted))
+            task.ref = self.verifier.verify.remote(task.seq, slots, task.drafts, index, nlp)
         else:
+            if ahead is not None:   # none of its rows ride (all moved on since): no verify will name it
+                self.channel.discard(self.verifier, ahead.drafts_ref)
             task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
         for r in rows:
             r.inflight += 1
@@ -750,7 +762,7 @@ class BatchManager:
         if not rows:
             return
         args = self._draft_args([r for r, _, _ in rows], [(takes, abt) for _, takes, abt in rows])
-        drafts_ref, ms_ref = self.channel.submit(self.drafter, (*args, *sources))
+        drafts_ref, ms_ref = self.channel.submit(self.drafter, self.verifier, (*args, *sources))
         self.draft_ahead[b] = _DraftAhead(drafts_ref, ms_ref, built, self.drafter_generation)
 
     def _next_seq(self) -> int:

@@ -7,6 +7,7 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import gc
 import logging
 import os
@@ -89,6 +90,48 @@ class LaunchOrder:
             with self._cond:
                 self.next_seq = seq + 1
                 self._cond.notify_all()
+
+
+@dataclass(frozen=True)
+class DraftKey:
+    """A verify's drafts under the direct channel: the round the drafter pushes to the verifier's mailbox."""
+    key: int
+
+
+class DraftMailbox:
+    """Drafts pushed by the drafter (direct channel) until the verify naming them takes them. A round can be
+    dropped: failed (the verify waiting for it runs without drafts) or discarded (no verify will ask)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._box: dict[int, dict | None] = {}   # key -> drafts, or None: failed, run without
+        self._discarded: set[int] = set()         # dropped before they arrived: not kept when they do
+
+    def put(self, key: int, drafts: dict) -> None:
+        with self._cond:
+            if key in self._discarded:
+                self._discarded.discard(key)
+            elif key not in self._box:   # a failed round's late drafts stay unused
+                self._box[key] = drafts
+                self._cond.notify_all()
+
+    def drop(self, key: int, failed: bool) -> None:
+        with self._cond:
+            if failed:
+                self._box[key] = None
+                self._cond.notify_all()
+            elif self._box.pop(key, None) is None:
+                self._discarded.add(key)
+
+    def take(self, key: int) -> dict | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._box, self.timeout_s):
+                raise TimeoutError(f"the drafts of round {key} did not arrive within {self.timeout_s:.0f} s")
+            drafts = self._box.pop(key)
+            if drafts is None:   # failed: should its drafts still come (pushed just before the drafter died), drop them
+                self._discarded.add(key)
+            return drafts
 
 
 def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
@@ -187,6 +230,14 @@ class VerifierWorker(_Worker):
                                  self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s) if self.config.verifier_overlap else None
+        self.mailbox = DraftMailbox(self.config.step_timeout_s)   # the direct draft channel's
+
+    def put_drafts(self, key: int, drafts: dict) -> None:
+        """The direct channel: the drafter hands over a round (a verify may be waiting for it)."""
+        self.mailbox.put(key, drafts)
+
+    def drop_drafts(self, key: int, failed: bool) -> None:
+        self.mailbox.drop(key, failed)
 
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
@@ -228,9 +279,10 @@ class VerifierWorker(_Worker):
         -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
         the manager's host: step times are measured where the work runs."""
         def launch():
+            round_drafts = self.mailbox.take(drafts.key) if isinstance(drafts, DraftKey) else drafts
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
-                draft_ids, num_drafts, draft_probs = self._gather_drafts(drafts, draft_index, len(slots))
+                draft_ids, num_drafts, draft_probs = self._gather_drafts(round_drafts, draft_index, len(slots))
                 staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs).staged()
             return staged, timer
         return self._run(seq, launch)
@@ -298,6 +350,16 @@ class DrafterWorker(_Worker):
             ids = ids.tolist()
             probs = probs.cpu().numpy() if probs is not None else None
         return {"ids": ids, "probs": probs}, timer.ms
+
+    def set_peer(self, verifier) -> None:
+        """The direct channel: the verifier this drafter pushes its rounds to."""
+        self.peer = verifier
+
+    def draft_to(self, key: int, *args) -> float:
+        """The direct channel: draft (args as `draft`), push the round to the verifier -> device ms."""
+        drafts, ms = self.draft(*args)
+        self.peer.put_drafts.remote(key, drafts)
+        return ms
 
 
 class SpecWorker(VerifierWorker):
