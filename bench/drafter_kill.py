@@ -35,8 +35,9 @@ def wait_for(check, timeout_s: float) -> bool:
     return False
 
 
-def drill(mode: str, prompts: list[str], params: list[SamplingParams], reference: list[list[int]], common: dict) -> dict:
-    llm = LLM(mode=mode, k=3, **common)
+def drill(mode: str, prompts: list[str], params: list[SamplingParams], reference: list[list[int]], common: dict,
+          transport: str) -> dict:
+    llm = LLM(mode=mode, k=3, transport=transport, **common)
     try:
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in prompts], params)
         started = wait_for(lambda: llm.info()["steps"] >= 5, 60)
@@ -47,10 +48,11 @@ def drill(mode: str, prompts: list[str], params: list[SamplingParams], reference
         regimes = [h.regime for h in llm.history()]
         again = llm.generate(prompts[:4], params[:4])
         result = {
-            "mode": mode, "killed_after_steps": started and killed,
+            "mode": mode, "transport": transport, "killed_after_steps": started and killed,
             "completed": sum(o["finish_reason"] is not None for o in outs), "requests": len(outs),
             "equal_to_ar": sum(o["token_ids"] == r for o, r in zip(outs, reference)),
             "drafter_failures": info["drafter_failures"], "ar_steps_while_down": regimes.count("ar"),
+            "draft_rounds_failed": info["draft_rounds_failed"],   # verifies whose drafts died with the drafter
             "restarted": restarted and llm.info()["drafter_restarts"] >= 1,
             "equal_after_restart": sum(o.token_ids == r for o, r in zip(again, reference[:4])),
             "accepted_after_restart": sum(o.stats["accepted"] for o in again),
@@ -70,6 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--out", default=None)
+    p.add_argument("--transport", default="object_store", choices=["object_store", "direct"])
     p.add_argument("--fake-gpus", action="store_true", help="CPU: 2 logical GPUs for the placement group")
     args = p.parse_args(argv)
     init_local_ray(**({"num_gpus": 2, "num_cpus": 4} if args.fake_gpus else {}))
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
     results = []
     for mode in args.modes.split(","):   # each verdict printed as it comes: a run cut short still reports
         t0 = time.time()
-        results.append({**drill(mode, prompts, params, reference, common), "seconds": round(time.time() - t0, 1)})
+        results.append({**drill(mode, prompts, params, reference, common, args.transport),
+                        "seconds": round(time.time() - t0, 1)})
         print(json.dumps(results[-1]), flush=True)
     summary = {"git_sha": git_sha(), "results": results, "passed": all(r["passed"] for r in results)}
     text = json.dumps(summary, indent=1)

@@ -206,8 +206,10 @@ def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
 
 
 def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    # psd at every load (no low-load sequential batch): the balance invariant through arrivals, finishes, aborts
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_low_load="psd", torch_threads=1)
+    # psd at every load (no sequential batch, low or high load): the balance invariant through arrivals, finishes,
+    # aborts
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_low_load="psd", psd_high_load="psd",
+              torch_threads=1)
 
     async def run_one(i, delay, abort_after=None):
         await asyncio.sleep(delay)

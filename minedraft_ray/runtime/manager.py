@@ -203,7 +203,9 @@ class BatchManager:
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
                          "queued_behind": 0, "drafter_prefills": 0,
                          # verifies whose drafts came from a round drafted ahead; rows of such rounds not used
-                         "drafts_ahead_used": 0, "draft_rows_unused": 0}
+                         "drafts_ahead_used": 0, "draft_rows_unused": 0,
+                         # verifies whose round failed (its drafter died) and ran without drafts
+                         "draft_rounds_failed": 0}
         self.verifier = self.drafter = None
         self.drafter_alive = False
         self.drafter_generation = 0      # counts drafter restarts: rounds for a dead drafter are not waited for
@@ -485,6 +487,7 @@ class BatchManager:
                     lambda: self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
                                                         self._num_logprobs(task.requests)))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
+                self.counters["draft_rounds_failed"] += 1
         result = await self._verifier_result(task.ref, task.kind)
         t_arrived = time.perf_counter()
         self.inflight.popleft()
