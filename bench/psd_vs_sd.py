@@ -1078,9 +1078,9 @@ def main(argv=None) -> int:
                                                                Path("bench/results") / f"{NAME}.parquet"]
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd"), "device": machine_name(args.smoke),
                "transport": setup.transport,
-               # auto: on where the verifier has a GPU (the smoke runs on the CPU)
+               # auto: on where the verifier has a GPU (the smoke runs on the CPU), and with the direct channel
                "verifier_overlap": args.verifier_overlap if args.verifier_overlap != "auto"
-               else "off" if args.smoke else "on", "psd_high_load": args.psd_high_load}
+               else "off" if args.smoke and args.transport != "direct" else "on", "psd_high_load": args.psd_high_load}
     results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")
