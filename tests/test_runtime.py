@@ -328,8 +328,9 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
     # under its own number; with the direct channel that verify is already waiting for its drafts on the
     # verifier, and runs without them
+    # a slow drafter (30 ms a round): the kill lands while a round is drafted, with its verify submitted already
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
-              transport=transport)
+              transport=transport, _bench={"draft_delay_s": 0.03})
     try:
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
@@ -341,6 +342,7 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
         assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
         info = llm.info()
         assert info["drafter_failures"] >= 1
+        assert info["draft_rounds_failed"] >= 1   # a verify whose round died with the drafter ran without drafts
         deadline = time.time() + 60
         while not llm.info()["drafter_alive"] and time.time() < deadline:
             time.sleep(0.2)

@@ -333,6 +333,8 @@ class DrafterWorker(_Worker):
         the slot already holds all of that sequence but its last two tokens, so only those are fed.
         positions: output position of each row's first draft before the taken tokens.
         -> ({"ids": [B, k], "probs": ...}, device ms)."""
+        if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
+            time.sleep(self.bench["draft_delay_s"])
         draft_rows = []
         for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
             catchup = list(tail)
