@@ -328,9 +328,10 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
     # under its own number; with the direct channel that verify is already waiting for its drafts on the
     # verifier, and runs without them
-    # a slow drafter (30 ms a round): the kill lands while a round is drafted, with its verify submitted already
+    # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
+    # verify submitted already
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
-              transport=transport, _bench={"draft_delay_s": 0.03})
+              transport=transport, _bench={"draft_delay_s": 0.2})
     try:
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
