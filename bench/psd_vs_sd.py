@@ -332,7 +332,7 @@ def steady_stats(histories: list[list], mode: str) -> dict:
     regimes = {f"cadence_{regime}_ms": [r.cadence_ms for r in every if r.regime == regime and r.cadence_ms]
                for regime in ("psd", "seq")}
     # under a queue: the verifier's time per row in each regime, what psd_high_load=auto compares
-    regimes |= {f"ms_per_row_{regime}": [r.step_ms / r.verified for r in every if r.verified and r.regime == regime
+    regimes |= {f"ms_per_row_{regime}": [r.ms_per_row for r in every if r.verified and r.regime == regime
                                          and r.extra.get("high_load") == regime] for regime in ("psd", "seq")}
     shares = {"prefill_share": prefill_share, "seq_share": seq_share,
               **{name: float(np.median(v)) if v else None for name, v in regimes.items()}}

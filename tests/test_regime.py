@@ -54,3 +54,12 @@ def test_high_load_order_measures_the_sequential_batch_first():
     chooser = RegimeChooser(explore_every=2000, explore_steps=3, current="seq", order=("seq", "psd"))
     _, regimes = feed(chooser, 0, {"psd": 0.14, "seq": 0.26, "n": 10})
     assert regimes[:3] == ["seq"] * 3 and regimes[3:6] == ["psd"] * 3 and set(regimes[6:]) == {"psd"}
+
+
+def test_time_per_row_leaves_prefills_out():
+    """The high-load sample (and the bench's ms_per_row columns): verifier wall time minus prefill device time,
+    per row. Counting prefills charged the split for the burst of admissions it starts with."""
+    from minedraft_ray.runtime.manager import StepRecord
+
+    record = StepRecord("psd", (2, 2), verified=2, drafted=2, step_ms=10.0, t_prefill_ms=4.0)
+    assert record.ms_per_row == 3.0

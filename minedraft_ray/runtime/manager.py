@@ -88,6 +88,12 @@ class StepRecord:
     admitted: int = 0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def ms_per_row(self) -> float:
+        """The verifier's wall time per row advanced, prefills left out (every request is prefilled once in
+        either regime): what psd's high-load choice compares (runtime/regime.py)."""
+        return (self.step_ms - self.t_prefill_ms) / self.verified
+
 
 @dataclass
 class _Task:
@@ -542,24 +548,25 @@ class BatchManager:
             record.cadence_ms = (t_end - prev_end) * 1e3
             if task.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
                 self.chooser.observe(task.regime, record.cadence_ms, step)
-        # high load: the verifier's wall time per row advanced, prefills left out (every request is prefilled
-        # once in either regime); the split only while it was the choice (not while draining towards one batch)
+        # high load: the verifier's time per row; the split only while it was the choice (not while draining)
         if task.high_load == task.regime and task.regime in ("psd", "seq") and self.mode == "psd":
-            self.high_chooser.observe(task.regime, (record.step_ms - record.t_prefill_ms) / len(task.requests),
-                                      step)
+            self.high_chooser.observe(task.regime, record.ms_per_row, step)
 
     def _low_load_regime(self) -> str:
         policy = self.config.psd_low_load
         return self.chooser.choose(self.counters["steps"]) if policy == "auto" else policy
 
+    def _demand(self) -> int:
+        return self._num_running() + len(self.waiting)
+
     def _high_load(self) -> bool:
         """More requests want to run than one batch holds."""
-        return self._num_running() + len(self.waiting) > self.config.max_batch
+        return self._demand() > self.config.max_batch
 
     def _update_saturation(self) -> None:
         """Saturated from a demand that fills both batches until one batch holds it again (hysteresis: leaving
         at max_batch needs no drain, and a demand between the two keeps the regime it has)."""
-        demand = self._num_running() + len(self.waiting)
+        demand = self._demand()
         if demand >= 2 * self.config.max_batch:
             self.saturated = True
         elif demand <= self.config.max_batch:
@@ -579,8 +586,7 @@ class BatchManager:
         for rows it no longer has, and keep it from being tried again for explore_every steps."""
         if self.mode != "psd" or not self._high_load():
             return None
-        if self.config.psd_high_load == "auto" and (
-                not self.saturated or self._num_running() + len(self.waiting) < 2 * self.config.max_batch):
+        if self.config.psd_high_load == "auto" and (not self.saturated or self._demand() < 2 * self.config.max_batch):
             return None
         return self._high_load_regime()
 

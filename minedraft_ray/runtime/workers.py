@@ -7,12 +7,12 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import gc
 import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
