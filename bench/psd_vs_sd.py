@@ -1037,7 +1037,7 @@ def main(argv=None) -> int:
                    help="real acceptance: the trained pair under minedraft_ray/assets, or a noised tiny copy")
     p.add_argument("--k-psd", type=int, default=None, help="part 2: psd's k (default: best of part 1)")
     p.add_argument("--k-sd", type=int, default=None, help="part 2: sd's k (default: best of part 1)")
-    p.add_argument("--transport", choices=["object_store", "direct"], default="object_store")
+    p.add_argument("--transport", choices=["object_store", "direct", "collective"], default="object_store")
     p.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="auto",
                    help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
     p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto",

@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
-    transport: Literal["object_store", "direct"] = Field(
+    transport: Literal["object_store", "direct", "collective"] = Field(
         "object_store", description="draft channel (runtime/transport.py, docs/transport.md); direct needs the "
         "threaded verifier (verifier_overlap, turned on by default with it)")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")

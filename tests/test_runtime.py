@@ -42,6 +42,15 @@ def settled(llm, timeout_s=10.0) -> dict:
     return info
 
 
+def links_in_flight(llm) -> dict:
+    """The collective channel: messages each end of the link sent (or drains it posted) not yet taken."""
+    def count(self):
+        m = self.manager
+        return {name: ray.get(actor.__ray_call__.remote(lambda w: w.link.in_flight))
+                for name, actor in (("verifier", m.verifier), ("drafter", m.drafter))}
+    return ray.get(llm.manager.__ray_call__.remote(count))
+
+
 def check_balance(history, max_batch=None, min_requests=2):
     """psd's invariant after every step; steps after which psd ran one sequential batch (low load) are
     exempt, and that happens only below min_requests, or at most max_batch running when given."""
@@ -65,7 +74,8 @@ def test_make_bundles():
 
 @pytest.mark.parametrize("mode, transport", [("ar", "object_store"), ("sd", "object_store"),
                                              ("sd_split", "object_store"), ("psd", "object_store"),
-                                             ("sd_split", "direct"), ("psd", "direct")])
+                                             ("sd_split", "direct"), ("psd", "direct"),
+                                             ("sd_split", "collective"), ("psd", "collective")])
 def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport):
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
               torch_threads=1, transport=transport)
@@ -97,6 +107,11 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
             mailbox = ray.get(llm.manager.__ray_call__.remote(
                 lambda self: ray.get(self.manager.verifier.__ray_call__.remote(lambda v: len(v.mailbox._box)))))
             assert mailbox <= 2, mailbox
+        if transport == "collective":   # every message over the link was taken (rounds nobody named, drained)
+            deadline = time.time() + 5
+            while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
+                time.sleep(0.05)
+            assert in_flight == {"verifier": 0, "drafter": 0}
     finally:
         llm.shutdown()
 
@@ -322,7 +337,8 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
 
 
 @pytest.mark.parametrize("mode, overlap, transport", [("psd", False, "object_store"), ("sd_split", False, "object_store"),
-                                                     ("psd", True, "object_store"), ("psd", True, "direct")])
+                                                     ("psd", True, "object_store"), ("psd", True, "direct"),
+                                                     ("psd", False, "collective"), ("sd_split", True, "collective")])
 def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode, overlap,
                                 transport):
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
@@ -403,7 +419,7 @@ def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_ll
 
 
 @pytest.mark.parametrize("draft_temperature, transport", [(0.0, "object_store"), (1.0, "object_store"),
-                                                           (1.0, "direct")])
+                                                           (1.0, "direct"), (1.0, "collective")])
 def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport):
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
     ids, through either draft channel) gives the target's exact distribution of the first three tokens."""

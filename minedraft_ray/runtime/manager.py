@@ -105,7 +105,7 @@ class _Task:
     num_drafts: list[int]
     regime: str = ""
     draft_ms_ref: object = None      # the drafter's timing result (the drafts go to the verifier by ref)
-    drafts: object = None            # what the verify names as its drafts (a ref, or a direct channel's key)
+    drafts: object = None            # what the verify names as its drafts (a ref, or the channel's key)
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
@@ -114,6 +114,7 @@ class _Task:
     high_load: str | None = None     # submitted while more wanted to run than one batch holds: the regime chosen
     seq: int = -1                    # the verifier's launch order (workers.LaunchOrder)
     draft_generation: int = 0        # the drafter its drafts came from (restarts count up)
+    tokens_to: object = None         # collective channel: the key its tokens go to the next draft round under
 
 
 @dataclass
@@ -641,7 +642,16 @@ class BatchManager:
             admitted = len(new) if b == committed or committed is None else 0
             while self.queued[b] < self.depth and self.batches[b] and self._submit_verify(b, admitted):
                 admitted = 0
+            if not self.batches[b]:
+                self._drop_ahead(b)   # no verify will name its round: its members all left the batch
         return len(new)
+
+    def _drop_ahead(self, b: int) -> None:
+        """Batch b's round drafted ahead, which no verify will name."""
+        ahead, self.draft_ahead[b] = self.draft_ahead[b], None
+        if ahead is not None:
+            self.counters["draft_rows_unused"] += len(ahead.rows)
+            self.channel.discard(self.verifier, ahead.drafts_ref)
 
     def _prefill_drafter(self, new: list[Request]) -> None:
         """psd, sd_split: the drafter (its own GPU) takes the new prompts while the verifier prefills them, so
@@ -690,11 +700,11 @@ class BatchManager:
         if not rows:
             return False   # every member is still in flight in the other batch (moved): next commit
         regime = self._regime(b)
-        ahead, self.draft_ahead[b] = self.draft_ahead[b], None
+        ahead = self.draft_ahead[b]
         if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
-            self.counters["draft_rows_unused"] += len(ahead.rows)
-            self.channel.discard(self.verifier, ahead.drafts_ref)
-            ahead = None   # for a drafter that died since (its rows fail) or no longer wanted
+            self._drop_ahead(b)   # for a drafter that died since (its rows fail) or no longer wanted
+            ahead = None
+        self.draft_ahead[b] = None
         if regime == "sd":
             drafted = rows
         elif regime == "ar":
@@ -714,6 +724,8 @@ class BatchManager:
                      submitted=time.perf_counter(), low_load=not self._high_load(),
                      seq=self._next_seq(), draft_generation=self.drafter_generation,
                      high_load=self._high_load_choice())
+        drafts_next = regime in ("psd", "seq") and self.drafter_alive   # a round follows it (_draft_next_round)
+        task.tokens_to = self.channel.tokens_to(task.seq, len(rows), self.k) if drafts_next else None
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
@@ -724,17 +736,17 @@ class BatchManager:
             else:
                 task.drafts, task.draft_ms_ref = self.channel.submit(self.drafter, self.verifier,
                                                                      self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, task.drafts, index, nlp)
+            task.ref = self.verifier.verify.remote(task.seq, slots, task.drafts, index, nlp, task.tokens_to)
         else:
             if ahead is not None:   # none of its rows ride (all moved on since): no verify will name it
                 self.channel.discard(self.verifier, ahead.drafts_ref)
-            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp)
+            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp, task.tokens_to)
         for r in rows:
             r.inflight += 1
         self.counters["queued_behind"] += self.queued[b] > 0
         self.queued[b] += 1
         self.inflight.append(task)
-        if regime in ("psd", "seq") and self.drafter_alive:
+        if drafts_next:
             self._draft_next_round(b, task)
         return True
 
@@ -745,7 +757,7 @@ class BatchManager:
         The chain verify -> draft -> verify then runs without waiting for the manager's commit, which happens
         meanwhile; at the next verify, rows whose state moved on otherwise (moved, re-verified) go without."""
         at_verify = {id(r): row for row, r in enumerate(verify.requests)}
-        sources, source_of = [verify.ref], {}
+        sources, source_of = [verify.tokens_to or verify.ref], {}
         rows, built = [], {}
         for r in self.batches[b]:
             vrow = at_verify.get(id(r))
@@ -769,6 +781,8 @@ class BatchManager:
             built[id(r)] = (len(rows), last)
             rows.append((r, takes, all_but_two))
         if not rows:
+            if verify.tokens_to is not None:
+                self.channel.drop_tokens(self.drafter, verify.tokens_to)
             return
         args = self._draft_args([r for r, _, _ in rows], [(takes, abt) for _, takes, abt in rows])
         drafts_ref, ms_ref = self.channel.submit(self.drafter, self.verifier, (*args, *sources))

@@ -8,6 +8,11 @@ a tiny timing object; the drafts never pass through it.
   verify, already delivered, takes them by key from the verifier's mailbox in its turn: one message on
   the chain instead of two (0.70 against 1.00 ms per hop on the 2x H200 host, bench/results/payload_hop_gpu.md).
   The verify waits in a thread of its own, so this channel needs the threaded verifier (verifier_overlap).
+- `collective`: drafter and verifier talk over a gloo link of their own (runtime/link.py), both ways: the
+  drafter sends each round's drafts, and each verify sends its tokens to the draft round queued behind it, so
+  neither direction of psd's chain (verify -> tokens -> draft -> drafts -> verify) waits for a Ray message.
+  The manager still orders everything with Ray calls made ahead of time; they carry keys (LinkRound,
+  LinkTokens) that tell each side the tag and shape of the message to wait for.
 
 Ray Direct Transport (RDT, NCCL/gloo collective groups) was implemented and measured behind this
 interface and removed: slower for token-id payloads, it fails the drafter-kill test (RDT kills the
@@ -19,7 +24,7 @@ import logging
 
 import ray
 
-from .workers import DraftKey, DrafterWorker, SpecWorker, VerifierWorker
+from .workers import DraftKey, DrafterWorker, LinkRound, LinkTokens, SpecWorker, VerifierWorker
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -50,6 +55,14 @@ class DraftChannel:
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         """The round a verify names failed (the drafter died): -> the ref of that verify run without drafts."""
         raise NotImplementedError
+
+    def tokens_to(self, seq: int, rows: int, k: int):
+        """What a verify (task `seq`, `rows` rows) that a draft round will follow sends its tokens under, or None:
+        the round then names the verify's result (Ray hands it over)."""
+        return None
+
+    def drop_tokens(self, drafter, tokens) -> None:
+        """tokens_to's message that no draft round will take (the round had no rows after all)."""
 
 
 class ObjectStoreChannel(DraftChannel):
@@ -86,9 +99,41 @@ class DirectChannel(DraftChannel):
         return task_ref
 
 
+class CollectiveChannel(DraftChannel):
+    name = "collective"
+
+    def __init__(self):
+        self._next_key = 0
+        self.generation = 0   # one link per drafter: a restarted drafter gets a new one
+
+    async def connect(self, drafter, verifier, device: str) -> None:
+        self.generation += 1
+        host, port = await verifier.open_link.remote(self.generation)
+        await drafter.join_link.remote(self.generation, host, port)
+
+    def submit(self, drafter, verifier, args):
+        rows, k = args[0], args[1]
+        key, self._next_key = LinkRound(self._next_key, len(rows), k, self.generation), self._next_key + 1
+        return key, drafter.draft_over.remote(key, *args)
+
+    def discard(self, verifier, drafts) -> None:
+        verifier.drain_drafts.remote(drafts)
+
+    def without_drafts(self, verifier, drafts, task_ref, resubmit):
+        # the verify waits on the link: a dead drafter's link fails at once, a failed round sends ids of -1
+        return task_ref
+
+    def tokens_to(self, seq: int, rows: int, k: int):
+        return LinkTokens(seq, rows, k + 1, self.generation)
+
+    def drop_tokens(self, drafter, tokens) -> None:
+        drafter.drain_tokens.remote(tokens)
+
+
+CHANNELS = {c.name: c for c in (ObjectStoreChannel, DirectChannel, CollectiveChannel)}
+
+
 def make_channel(name: str) -> DraftChannel:
-    if name == "object_store":
-        return ObjectStoreChannel()
-    if name == "direct":
-        return DirectChannel()
-    raise ValueError(f"unknown transport {name!r}; expected 'object_store' or 'direct'")
+    if name not in CHANNELS:
+        raise ValueError(f"unknown transport {name!r}; expected one of {sorted(CHANNELS)}")
+    return CHANNELS[name]()

@@ -23,6 +23,7 @@ from ..engine.presets import resolve_model
 from ..engine.runner import ModelRunner, to_device
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
+from .link import PeerLink
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -98,6 +99,27 @@ class DraftKey:
     key: int
 
 
+@dataclass(frozen=True)
+class LinkRound:
+    """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, V] float32
+    under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
+    (and 2 * key + 1). Ids below zero say the round failed on the drafter."""
+    key: int
+    rows: int
+    k: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class LinkTokens:
+    """A verify's emitted tokens [rows, width] int64 (-1 past the emitted ones) that the verifier sends to
+    the drafter over the link of `generation` as message `seq`, for the draft round submitted behind it."""
+    seq: int
+    rows: int
+    width: int
+    generation: int
+
+
 class DraftMailbox:
     """Drafts pushed by the drafter (direct channel) until the verify naming them takes them. A round can be
     dropped: failed (the verify waiting for it runs without drafts) or discarded (no verify will ask)."""
@@ -152,6 +174,7 @@ class _Worker:
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
+        self.link: PeerLink | None = None   # the collective draft channel's, one per drafter generation
 
     def _runner(self, path: str, step_widths: tuple[int, ...]) -> ModelRunner:
         """The model on this device; on CUDA its graphs for every batch bucket and step width are captured
@@ -169,6 +192,11 @@ class _Worker:
         gc.freeze()
         return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def _node_ip() -> str:
+    import ray
+    return ray.util.get_node_ip_address()
 
 
 def _gpu_ids():
@@ -239,18 +267,72 @@ class VerifierWorker(_Worker):
     def drop_drafts(self, key: int, failed: bool) -> None:
         self.mailbox.drop(key, failed)
 
+    def open_link(self, generation: int) -> tuple[str, int]:
+        """The collective channel: listen for the drafter of `generation` -> (host, port) for it to join."""
+        host, old = _node_ip(), self.link
+        self.link, port = PeerLink.listen(generation, host, self.config.step_timeout_s)
+        if old is not None:
+            old.close()
+        return host, port
+
+    def drain_drafts(self, round_: LinkRound) -> None:
+        """The collective channel: a round no verify will name; take its messages when they come."""
+        link = self._link_of(round_.generation)
+        if link is not None:
+            link.drain((round_.rows, round_.k), torch.int64, 2 * round_.key)
+            if self.config.draft_temperature > 0:
+                link.drain((round_.rows, round_.k, self.vocab_limit), torch.float32, 2 * round_.key + 1)
+
+    def _link_of(self, generation: int) -> PeerLink | None:
+        return self.link if self.link is not None and self.link.generation == generation else None
+
+    def _take_drafts(self, drafts):
+        """What a verify names as its drafts -> {"ids", "probs"} or None (run without: the round failed)."""
+        if isinstance(drafts, DraftKey):
+            return self.mailbox.take(drafts.key)
+        if not isinstance(drafts, LinkRound):
+            return drafts
+        link = self._link_of(drafts.generation)
+        if link is None:   # a round of a drafter since replaced
+            return None
+        try:
+            ids = link.recv((drafts.rows, drafts.k), torch.int64, 2 * drafts.key)            # [N, k]
+            if drafts.rows and ids[0, 0] < 0:   # the round failed on the drafter (it sent no probs)
+                return None
+            probs = link.recv((drafts.rows, drafts.k, self.vocab_limit), torch.float32, 2 * drafts.key + 1) \
+                if self.config.draft_temperature > 0 else None                              # [N, k, V]
+        except Exception as e:  # noqa: BLE001 - the drafter died or hung: verify without its drafts
+            log.warning("round %d: no drafts over the link (%s); verifying without", drafts.key, e)
+            return None
+        return {"ids": ids, "probs": probs}
+
+    def _send_tokens(self, to: LinkTokens, tokens: torch.Tensor) -> None:
+        """tokens [B, w] (host, -1 past the emitted ones) -> the drafter, padded to the width it expects."""
+        link = self._link_of(to.generation)
+        if link is None:
+            return
+        out = torch.full((to.rows, to.width), -1, dtype=torch.int64)
+        out[:, :tokens.shape[1]] = tokens
+        try:
+            link.send(out, to.seq)
+        except Exception as e:  # noqa: BLE001 - the drafter's death is the manager's to handle
+            log.warning("verify %d: tokens not sent to the drafter (%s)", to.seq, e)
+
     def set_bench(self, bench: dict) -> None:
         """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
         self.bench = bench or {}
         self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
-    def _run(self, seq: int, launch):
+    def _run(self, seq: int, launch, tokens_to: LinkTokens | None = None):
         """launch() -> (VerifyResult staged to host, StepTimer) runs in turn `seq`; then its results are
-        awaited -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end)."""
+        awaited (and, for the collective channel, its tokens sent to the drafter first)
+        -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end)."""
         with self.order.turn(seq) if self.order is not None else contextlib.nullcontext():
             t_launch = time.time()
             staged, timer = launch()
         ms = timer.ms   # waits for the device (and the staged copies) here, outside the turn
+        if tokens_to is not None:
+            self._send_tokens(tokens_to, staged.tokens.cpu())
         tokens, logprobs = staged.to_host()
         return tokens, logprobs, ms, t_launch, time.time()
 
@@ -270,22 +352,23 @@ class VerifierWorker(_Worker):
         self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], prompts)
         return result
 
-    def verify(self, seq: int, slots: list[int], drafts: dict | None, draft_index: list[int] | None,
-               num_logprobs: int):
+    def verify(self, seq: int, slots: list[int], drafts, draft_index: list[int] | None, num_logprobs: int,
+               tokens_to: LinkTokens | None = None):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
-        drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel; draft_index[b] is
-        row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
+        drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel (or the key it comes under);
+        draft_index[b] is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
+        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
         -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
         the manager's host: step times are measured where the work runs."""
         def launch():
-            round_drafts = self.mailbox.take(drafts.key) if isinstance(drafts, DraftKey) else drafts
+            round_drafts = self._take_drafts(drafts)
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
                 draft_ids, num_drafts, draft_probs = self._gather_drafts(round_drafts, draft_index, len(slots))
                 staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs).staged()
             return staged, timer
-        return self._run(seq, launch)
+        return self._run(seq, launch, tokens_to)
 
     def _verify(self, slots: list[int], slot_t: torch.Tensor, draft_ids, num_drafts, draft_probs,
                 num_logprobs: int) -> VerifyResult:
@@ -326,13 +409,22 @@ class DrafterWorker(_Worker):
             self.drafter.prefill(slots, prompts)
         return timer.ms
 
-    def draft(self, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
+    def draft(self, *args):
+        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, V] | None}, device ms)."""
+        ids, probs, ms = self._draft(*args)
+        # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
+        # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/payload_hop_cpu.md)
+        return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
+
+    def _draft(self, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
         """rows: (slot, valid, tail, takes, all_but_two) per request; sources: results of verifier tasks (prefill,
-        verify) still in flight when the round was submitted, which Ray passes in once they exist. A row's
-        sequence past `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two
-        the slot already holds all of that sequence but its last two tokens, so only those are fed.
+        verify) still in flight when the round was submitted, which Ray passes in once they exist, or (the
+        collective channel) the LinkTokens a verify sends them under. A row's sequence past `valid` is tail +
+        the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already holds all of that
+        sequence but its last two tokens, so only those are fed.
         positions: output position of each row's first draft before the taken tokens.
-        -> ({"ids": [B, k], "probs": ...}, device ms)."""
+        -> (ids [B, k] int64, probs [B, k, V] float32 | None, both on the host; device ms)."""
+        sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
         if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
             time.sleep(self.bench["draft_delay_s"])
         draft_rows = []
@@ -347,11 +439,39 @@ class DrafterWorker(_Worker):
         with StepTimer(self.device) as timer:
             pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
             ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
-            # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
-            # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/payload_hop_cpu.md)
-            ids = ids.tolist()
-            probs = probs.cpu().numpy() if probs is not None else None
-        return {"ids": ids, "probs": probs}, timer.ms
+            ids, probs = ids.cpu(), (probs.cpu() if probs is not None else None)
+        return ids, probs, timer.ms
+
+    def _tokens_over_link(self, source: LinkTokens) -> tuple[list[list[int]]]:
+        """A verify's tokens sent over the link -> its emitted tokens per row, as in the verify's own result."""
+        if self.link is None or self.link.generation != source.generation:
+            raise ConnectionError(f"no link of generation {source.generation} for verify {source.seq}'s tokens")
+        tokens = self.link.recv((source.rows, source.width), torch.int64, source.seq).tolist()   # [B, w]
+        return ([[t for t in row if t >= 0] for row in tokens],)
+
+    def join_link(self, generation: int, host: str, port: int) -> None:
+        """The collective channel: connect to the verifier listening for this drafter's generation."""
+        old, self.link = self.link, PeerLink.join(generation, host, port, self.config.step_timeout_s)
+        if old is not None:
+            old.close()
+
+    def drain_tokens(self, source: LinkTokens) -> None:
+        """The collective channel: tokens sent for a round that was not drafted after all; take and drop them."""
+        if self.link is not None and self.link.generation == source.generation:
+            self.link.drain((source.rows, source.width), torch.int64, source.seq)
+
+    def draft_over(self, round_: LinkRound, *args) -> float:
+        """The collective channel: draft (args as `_draft`) and send the round over the link -> device ms.
+        Should the round fail here, the verify waiting for it is told so (ids of -1) and runs without drafts."""
+        try:
+            ids, probs, ms = self._draft(*args)
+        except BaseException:
+            self.link.send(torch.full((round_.rows, round_.k), -1, dtype=torch.int64), 2 * round_.key)
+            raise
+        self.link.send(ids, 2 * round_.key)
+        if probs is not None:
+            self.link.send(probs.contiguous(), 2 * round_.key + 1)
+        return ms
 
     def set_peer(self, verifier) -> None:
         """The direct channel: the verifier this drafter pushes its rounds to."""
