@@ -11,8 +11,9 @@
 #            rates, CAPACITY req/s x 30/60/90 %), psd's float32 greedy equality with ar on the default pair, the
 #            payload hop on this host.
 #   STAGE=4: part 1 at m = 16 alone (k = 1-5 and the sd / ar baselines), in one call.
-#   STAGE=5: the direct draft channel: the drafter-kill drill with it (psd), then psd's m = 16 sweep with the
-#            direct channel and with the object store, in the same call (the A/B).
+#   STAGE=5: the collective draft channel: the drafter-kill drill with it (psd, sd_split; greedy == ar on the
+#            GPUs), the hop of each route (payload_hop), then psd's m = 16 sweep through the collective channel,
+#            the object store and (time permitting) the direct channel, in the same call (the A/B).
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -43,14 +44,20 @@ elif [ "$STAGE" = 4 ]; then
   say "part 1 rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -30
   rm -f "$OUT/psd1/psd_vs_sd.png"
 elif [ "$STAGE" = 5 ]; then
-  timeout 200 python -m bench.drafter_kill --modes psd --transport direct --out "$OUT/kill" > "$OUT/kill.log" 2>&1
-  say "drafter kill (direct) rc=$?"; grep -E '^\{"mode' "$OUT/kill.log" | cut -c1-300
-  for t in direct object_store; do
-    timeout 170 python -m bench.psd_vs_sd --part 1 --part1-modes psd --prior /nonexistent --transport $t --ms 16 \
-      --alphas 0.8 --k-max 5 --temperature 0 --budget-s 160 --out "$OUT/psd1_$t" 2>&1 | tr '\r' '\n' \
+  timeout 150 python -m bench.drafter_kill --modes psd,sd_split --transport collective --out "$OUT/kill" \
+    > "$OUT/kill.log" 2>&1
+  say "drafter kill (collective) rc=$?"; grep -E '^\{"mode' "$OUT/kill.log" | cut -c1-300
+  timeout 60 python -m bench.payload_hop --trips 200 --rounds 1 --out "$OUT/payload_hop" > "$OUT/payload_hop.log" 2>&1
+  say "payload hop rc=$?"; grep "^{" "$OUT/payload_hop.log" | cut -c1-160
+  rm -f "$OUT/payload_hop/"*.png "$OUT/payload_hop/"*.md
+  for t in collective object_store direct; do
+    l=$(left 575); [ "$l" -lt 100 ] && { say "no time for $t"; break; }
+    b=$(( l > 175 ? 160 : l - 15 ))
+    timeout $(( b + 12 )) python -m bench.psd_vs_sd --part 1 --part1-modes psd --prior /nonexistent --transport $t \
+      --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s $b --out "$OUT/psd1_$t" 2>&1 | tr '\r' '\n' \
       | grep -v 'it/s\]' > "$OUT/psd1_$t.log"
     say "psd m=16 ($t) rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1_$t.log" | tail -8
-    rm -f "$OUT/psd1_$t/psd_vs_sd.png"
+    rm -f "$OUT/psd1_$t/psd_vs_sd.png" "$OUT/psd1_$t/psd_vs_sd.md"
   done
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"

@@ -1,7 +1,8 @@
 """What a draft's trip to the verifier costs on the host: one actor drafts ([rows, k] int64 ids, as a torch
 tensor, a numpy array or nested lists) and the verifier takes them either by reference through the owner
 (`owner`: what the draft channel does, the manager submitted both tasks) or from a call the drafter makes
-itself (`direct`: the drafter submits the verify, one actor-to-actor message). Measured: the drafter's task
+itself (`direct`: the drafter submits the verify, one actor-to-actor message), or over the gloo link of the
+collective draft channel (`link`: the verifier waits on it, the drafter sends a torch tensor). Measured: the drafter's task
 end to the verifier's task start (wall clocks of one host), and the whole round trip seen by the driver.
 
     python -m bench.payload_hop [--rows 64] [--k 3] [--trips 400]
@@ -20,6 +21,7 @@ import ray
 import torch
 
 from bench.common import command_line, git_sha, write_results
+from minedraft_ray.runtime.link import PeerLink
 
 CONTAINERS = {"torch": lambda t: t, "numpy": lambda t: t.numpy(), "list": lambda t: t.tolist()}
 
@@ -28,6 +30,15 @@ CONTAINERS = {"torch": lambda t: t, "numpy": lambda t: t.numpy(), "list": lambda
 class Verifier:
     def verify(self, drafts: dict) -> tuple[int, float]:
         return len(drafts["ids"]), time.time()   # the task's start: what the drafter's end is compared with
+
+    def open_link(self) -> tuple[str, int]:
+        host = ray.util.get_node_ip_address()
+        self.link, port = PeerLink.listen(0, host, 30.0)
+        return host, port
+
+    def verify_over_link(self, rows: int, k: int, tag: int) -> tuple[int, float]:
+        ids = self.link.recv((rows, k), torch.int64, tag)
+        return len(ids), time.time()   # the drafts' arrival
 
 
 @ray.remote
@@ -39,6 +50,15 @@ class Drafter:
         drafts = {"ids": CONTAINERS[container](torch.randint(0, 128_000, (rows, k))), "probs": None}
         return drafts, time.time()
 
+    def join_link(self, host: str, port: int) -> None:
+        self.link = PeerLink.join(0, host, port, 30.0)
+
+    def draft_over_link(self, rows: int, k: int, tag: int) -> float:
+        ids = torch.randint(0, 128_000, (rows, k))
+        end = time.time()
+        self.link.send(ids, tag)
+        return end
+
     def draft_and_send(self, rows: int, k: int, container: str):
         drafts = {"ids": CONTAINERS[container](torch.randint(0, 128_000, (rows, k))), "probs": None}
         end = time.time()
@@ -48,7 +68,13 @@ class Drafter:
 def trip(drafter, verifier, route: str, rows: int, k: int, container: str) -> tuple[float, float]:
     """-> (drafter end -> verifier start, driver round trip), in ms."""
     t0 = time.perf_counter()
-    if route == "owner":
+    if route == "link":   # the verify waits on the link first, as a verify queued behind another does
+        trip.tag = getattr(trip, "tag", 0) + 1
+        verify_ref = verifier.verify_over_link.remote(rows, k, trip.tag)
+        time.sleep(0.002)
+        end = ray.get(drafter.draft_over_link.remote(rows, k, trip.tag))
+        verify = ray.get(verify_ref)
+    elif route == "owner":
         drafts, end_ref = drafter.draft.options(num_returns=2).remote(rows, k, container)
         verify = ray.get(verifier.verify.remote(drafts))
         end = ray.get(end_ref)
@@ -71,7 +97,9 @@ def main() -> None:
     ray.init(address="local", include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="r", dir="/tmp"))
     verifier = Verifier.remote()
     drafter = Drafter.remote(verifier)
-    configs = [(route, c) for route in ("owner", "direct") for c in CONTAINERS]
+    host, port = ray.get(verifier.open_link.remote())
+    ray.get(drafter.join_link.remote(host, port))
+    configs = [(route, c) for route in ("owner", "direct") for c in CONTAINERS] + [("link", "torch")]
     hops, rounds = {c: [] for c in configs}, {c: [] for c in configs}
     for _ in range(args.rounds):
         for route, container in configs:
@@ -94,7 +122,8 @@ def main() -> None:
                   ["hop_ms: median from the end of the drafter's task to the start of the verifier's (one host's clock)",
                    "round_trip_ms: the driver's view (submission to the verify result), other hops included",
                    "owner: the verify takes the drafts by reference from the task's submitter (the draft channel today); "
-                   "direct: the drafter submits the verify itself",
+                   "direct: the drafter submits the verify itself; link: the collective channel's gloo link, the "
+                   "verify already waiting on it (round_trip_ms there includes a 2 ms pause before the send)",
                    "the draft channel returns lists (ids) and numpy (probabilistic drafts' q) since this measurement"])
     ray.shutdown()
 
