@@ -373,6 +373,25 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
         llm.shutdown()
 
 
+def test_a_round_failing_on_a_live_drafter_does_not_stall_its_verify(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                    reference):
+    """The collective channel: a round that raises on the drafter (which stays alive) leaves the verify waiting on
+    the link for its drafts; the engine replaces the drafter as for any failed round, which ends the old link, so
+    that verify runs without drafts at once instead of waiting out the link's timeout. The output is still ar's."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport="collective",
+              step_timeout_s=60, _bench={"draft_error_at": 4})
+    try:
+        t0 = time.time()
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        elapsed = time.time() - t0
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        info = llm.info()
+        assert info["drafter_failures"] >= 1 and info["draft_rounds_failed"] >= 1, info
+        assert elapsed < 45, elapsed   # a verify waiting out the 60 s timeout would be past this
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["psd", "sd_split"])
 def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_llama_draft, reference_10, mode):
     """New prompts go to the drafter at admission, before any draft: with the drafter already dead, that

@@ -120,7 +120,8 @@ class CollectiveChannel(DraftChannel):
         verifier.drain_drafts.remote(drafts)
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
-        # the verify waits on the link: a dead drafter's link fails at once, a failed round sends ids of -1
+        # the verify waits on the link, which fails at once when the drafter dies or is replaced (a round that
+        # failed on a live drafter makes the manager replace it)
         return task_ref
 
     def tokens_to(self, seq: int, rows: int, k: int):

@@ -103,7 +103,7 @@ class DraftKey:
 class LinkRound:
     """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, V] float32
     under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
-    (and 2 * key + 1). Ids below zero say the round failed on the drafter."""
+    (and 2 * key + 1)."""
     key: int
     rows: int
     k: int
@@ -297,8 +297,6 @@ class VerifierWorker(_Worker):
             return None
         try:
             ids = link.recv((drafts.rows, drafts.k), torch.int64, 2 * drafts.key)            # [N, k]
-            if drafts.rows and ids[0, 0] < 0:   # the round failed on the drafter (it sent no probs)
-                return None
             probs = link.recv((drafts.rows, drafts.k, self.vocab_limit), torch.float32, 2 * drafts.key + 1) \
                 if self.config.draft_temperature > 0 else None                              # [N, k, V]
         except Exception as e:  # noqa: BLE001 - the drafter died or hung: verify without its drafts
@@ -401,6 +399,7 @@ class DrafterWorker(_Worker):
         super().__init__(config, num_slots, bench)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
+        self.rounds = 0   # draft rounds run
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> float:
         """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
@@ -427,6 +426,9 @@ class DrafterWorker(_Worker):
         sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
         if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
             time.sleep(self.bench["draft_delay_s"])
+        self.rounds += 1
+        if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
+            raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
         draft_rows = []
         for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
             catchup = list(tail)
@@ -462,12 +464,9 @@ class DrafterWorker(_Worker):
 
     def draft_over(self, round_: LinkRound, *args) -> float:
         """The collective channel: draft (args as `_draft`) and send the round over the link -> device ms.
-        Should the round fail here, the verify waiting for it is told so (ids of -1) and runs without drafts."""
-        try:
-            ids, probs, ms = self._draft(*args)
-        except BaseException:
-            self.link.send(torch.full((round_.rows, round_.k), -1, dtype=torch.int64), 2 * round_.key)
-            raise
+        Should the round fail here, the manager replaces this drafter, and its link's end fails the verify
+        waiting for the round: that verify runs without drafts."""
+        ids, probs, ms = self._draft(*args)
         self.link.send(ids, 2 * round_.key)
         if probs is not None:
             self.link.send(probs.contiguous(), 2 * round_.key + 1)
