@@ -14,6 +14,8 @@
 #   STAGE=5: the collective draft channel: the drafter-kill drill with it (psd, sd_split; greedy == ar on the
 #            GPUs), the hop of each route (payload_hop), then psd's m = 16 sweep through the collective channel,
 #            the object store and (time permitting) the direct channel, in the same call (the A/B).
+#   STAGE=6: the collective channel with the threaded drafter: the drafter-kill drill (psd), psd's m = 16 sweep,
+#            and sd at m = 16, k = 5 and 4 in the same call (the ratio's baseline).
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -59,6 +61,20 @@ elif [ "$STAGE" = 5 ]; then
     say "psd m=16 ($t) rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1_$t.log" | tail -8
     rm -f "$OUT/psd1_$t/psd_vs_sd.png" "$OUT/psd1_$t/psd_vs_sd.md"
   done
+elif [ "$STAGE" = 6 ]; then
+  timeout 170 python -m bench.drafter_kill --modes psd --transport collective --out "$OUT/kill" > "$OUT/kill.log" 2>&1
+  say "drafter kill (collective) rc=$?"; grep -E '^\{"mode' "$OUT/kill.log" | cut -c1-300
+  timeout 185 python -m bench.psd_vs_sd --part 1 --part1-modes psd --prior /nonexistent --transport collective \
+    --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 170 --out "$OUT/psd1" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/psd1.log"
+  say "psd m=16 (collective) rc=$?"; grep -E '^\[|^skipped' "$OUT/psd1.log" | tail -8
+  rm -f "$OUT/psd1/psd_vs_sd.png" "$OUT/psd1/psd_vs_sd.md"
+  l=$(left 575)
+  timeout "$l" python -m bench.psd_vs_sd --part 1 --part1-modes sd --sd-ks 5,4 --batch-mults 1 --prior /nonexistent \
+    --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s $(( l - 12 )) --out "$OUT/sd1" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/sd1.log"
+  say "sd m=16 rc=$?"; grep -E '^\[|^skipped' "$OUT/sd1.log" | tail -8
+  rm -f "$OUT/sd1/psd_vs_sd.png" "$OUT/sd1/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
   timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \

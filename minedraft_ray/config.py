@@ -52,6 +52,8 @@ class EngineConfig(BaseModel):
         "takes the split only where it is cheaper")
     verifier_overlap: bool | None = Field(None, description="the verifier's next queued step launches while the "
                                           "current one runs on the device (default: on a GPU, off on a CPU)")
+    drafter_overlap: bool | None = Field(None, description="the drafter's next queued round waits for its tokens "
+                                         "and launches while the current one runs (default: as verifier_overlap)")
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="least time between two streamed outputs "
                                       "of a request (first and last go at once); 0: one per step")

@@ -118,8 +118,9 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
 
 @pytest.mark.parametrize("mode", ["sd", "psd", "ar"])
 def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
-    """verifier_overlap: a threaded verifier whose tasks take turns launching in the manager's order. The output
-    is still ar's token for token, and every numbered task launched exactly once, in order."""
+    """verifier_overlap: a threaded verifier (and in psd a threaded drafter) whose tasks take turns launching in
+    the manager's order. The output is still ar's token for token, and every numbered task launched exactly
+    once, in order."""
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
               torch_threads=1, verifier_overlap=True)
     try:
@@ -132,6 +133,11 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
         assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
         if mode == "psd":
             check_balance(llm.history(), max_batch=3)
+            # the drafter follows the verifier's overlap: threaded too, its tasks launched once each, in order
+            drafter_numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager._drafter_seq))
+            drafter = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.drafter))
+            drafter_launched = ray.get(drafter.__ray_call__.remote(lambda self: self.order.next_seq))
+            assert drafter_launched == drafter_numbered > len(PROMPTS) // 3, (drafter_launched, drafter_numbered)
     finally:
         llm.shutdown()
 
@@ -198,7 +204,7 @@ def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
     import threading
     from minedraft_ray.runtime.workers import LaunchOrder
 
-    order, launched = LaunchOrder(timeout_s=10), []
+    order, launched = LaunchOrder(10, "verifier"), []
 
     def task(seq):
         with order.turn(seq):
@@ -609,15 +615,15 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(slots, prompts)
+    ahead.prefill(0, slots, prompts)
     prefill_result = ([[31], [32], [33]], None, 0.0)            # (tokens, logprobs, ms): the first token
     verify_result = ([[41], [42], [43]], None, 0.0, 0.0, 0.0)   # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
 
     def compare(rows, positions, *sources):
-        ids, _ = ahead.draft(rows, k, seeds, positions, *sources)
+        ids, _ = ahead.draft(1, rows, k, seeds, positions, *sources)
         full = [(slot, 0, seq, (), False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
-        ref, _ = scratch.draft(full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)])
+        ref, _ = scratch.draft(0, full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)])
         assert ids["ids"] == ref["ids"]
         if draft_temperature:
             assert np.allclose(ids["probs"], ref["probs"], atol=1e-6)

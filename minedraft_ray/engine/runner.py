@@ -45,6 +45,15 @@ def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into pinned host memory, the copy queued on the stream (a CPU tensor is returned as it is):
+    once the stream has passed it, the copy is read without a sync, which would also wait for any work queued
+    behind it."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 @torch.no_grad()
 def relayout_weights_(model: Transformer, names: tuple[str, ...]) -> None:
     """Store the named nn.Linear weights column-major: same [out, in] values and shape (loading, state

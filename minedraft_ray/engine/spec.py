@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .rejection import draft_sample, rejection_sample
-from .runner import ModelRunner
+from .runner import ModelRunner, to_host_async
 from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
 
 PURPOSE_SYNTHETIC = 17  # noise stream of the benchmark-only synthetic acceptance
@@ -109,12 +109,8 @@ class VerifyResult:
         sync, which would also wait for any step queued behind this one."""
         if self.tokens.device.type != "cuda":
             return self
-
-        def pinned(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-        logprobs = tuple(pinned(t) for t in self.logprobs) if self.logprobs is not None else None
-        return VerifyResult(pinned(self.tokens), pinned(self.num_emitted), logprobs)
+        logprobs = tuple(to_host_async(t) for t in self.logprobs) if self.logprobs is not None else None
+        return VerifyResult(to_host_async(self.tokens), to_host_async(self.num_emitted), logprobs)
 
     def to_host(self) -> tuple[list[list[int]], list[list[dict]] | None]:
         """The emitted tokens per row (and their logprobs), copied to the host in one go."""

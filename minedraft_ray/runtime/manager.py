@@ -172,6 +172,9 @@ class BatchManager:
             config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)
                                                or self.channel.needs_threaded_verifier})
             self.config = config
+        if config.drafter_overlap is None:
+            config = config.model_copy(update={"drafter_overlap": config.verifier_overlap})
+            self.config = config
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
         if self.num_slots < config.max_running:
@@ -214,6 +217,7 @@ class BatchManager:
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
         self.verifier = self.drafter = None
+        self._drafter_seq = 0                          # drafter tasks numbered so far (_next_drafter_seq)
         self.drafter_alive = False
         self.drafter_generation = 0      # counts drafter restarts: rounds for a dead drafter are not waited for
         self.draft_ahead: list[_DraftAhead | None] = [None, None]   # per batch (psd, sd_split)
@@ -256,7 +260,9 @@ class BatchManager:
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def _new_drafter(self):
-        return self._drafter_cls.options(**actor_options(self._pg, self.mode, "drafter")).remote(
+        self._drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
+        threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
+        return self._drafter_cls.options(**actor_options(self._pg, self.mode, "drafter"), **threads).remote(
             self.config.model_dump(), self.num_slots, self.bench)
 
     async def shutdown(self) -> None:
@@ -411,7 +417,8 @@ class BatchManager:
                 "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
                 "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name,
-                "verifier_overlap": self.config.verifier_overlap, **self.counters,
+                "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
+                **self.counters,
                 "recent_steps": self.recent_steps(),
                 **({"low_load_regime": self.chooser.info(), "high_load_regime": {**self.high_chooser.info(),
                                                                                    "saturated": self.saturated}}
@@ -659,7 +666,7 @@ class BatchManager:
         critical path: sd_split's median draft took 14 ms instead of 3.4 under Poisson arrivals)."""
         if self.mode not in ("psd", "sd_split") or not self.drafter_alive or self.drafter is None:
             return
-        ref = self.drafter.prefill.remote([r.slot for r in new], [r.prompt_ids for r in new])
+        ref = self.drafter.prefill.remote(self._next_drafter_seq(), [r.slot for r in new], [r.prompt_ids for r in new])
         self.counters["drafter_prefills"] += 1
         for r in new:
             r.draft_valid = len(r.prompt_ids)   # the drafter runs its tasks in order: before any draft of r
@@ -793,12 +800,18 @@ class BatchManager:
         self._seq += 1
         return self._seq - 1
 
+    def _next_drafter_seq(self) -> int:
+        """Number the next drafter task: the drafter launches its tasks' device work in this order."""
+        self._drafter_seq += 1
+        return self._drafter_seq - 1
+
     def _draft_args(self, batch: list[Request], ahead: list[tuple] | None = None) -> tuple:
-        """(rows (slot, valid, committed tail, takes, all_but_two), k, seeds, output positions of the first
-        drafts); `ahead`: per request the (takes, all_but_two) of a round drafted ahead (DrafterWorker.draft)."""
+        """(drafter task number, rows (slot, valid, committed tail, takes, all_but_two), k, seeds, output
+        positions of the first drafts); `ahead`: per request the (takes, all_but_two) of a round drafted ahead
+        (DrafterWorker._draft)."""
         ahead = ahead or [((), False)] * len(batch)
         rows = [(row.slot, row.valid, row.catchup, *extra) for row, extra in zip(draft_rows(batch), ahead)]
-        return rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
+        return self._next_drafter_seq(), rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
 
     # ---- batches -------------------------------------------------------------------------------
     def _keep(self, r: Request) -> bool:

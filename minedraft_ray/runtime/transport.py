@@ -112,7 +112,7 @@ class CollectiveChannel(DraftChannel):
         await drafter.join_link.remote(self.generation, host, port)
 
     def submit(self, drafter, verifier, args):
-        rows, k = args[0], args[1]
+        rows, k = args[1], args[2]
         key, self._next_key = LinkRound(self._next_key, len(rows), k, self.generation), self._next_key + 1
         return key, drafter.draft_over.remote(key, *args)
 

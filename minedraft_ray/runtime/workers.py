@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..engine.engine import default_device
 from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
-from ..engine.runner import ModelRunner, to_device
+from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
@@ -73,8 +73,8 @@ class LaunchOrder:
     device, so launching in the manager's order is all that correctness needs; waiting for a step's results
     happens after its turn, so the next task launches behind it while it runs."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, worker: str):
+        self.timeout_s, self.worker = timeout_s, worker
         self.next_seq = 0
         self._cond = threading.Condition()
 
@@ -82,9 +82,9 @@ class LaunchOrder:
     def turn(self, seq: int):
         with self._cond:
             if not self._cond.wait_for(lambda: self.next_seq >= seq, self.timeout_s):
-                raise TimeoutError(f"verifier task {seq} waited {self.timeout_s:.0f} s for task {self.next_seq}")
+                raise TimeoutError(f"{self.worker} task {seq} waited {self.timeout_s:.0f} s for task {self.next_seq}")
             if self.next_seq > seq:
-                raise RuntimeError(f"verifier task {seq} arrived after its turn (next is {self.next_seq})")
+                raise RuntimeError(f"{self.worker} task {seq} arrived after its turn (next is {self.next_seq})")
         try:
             yield
         finally:
@@ -175,6 +175,10 @@ class _Worker:
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
         self.link: PeerLink | None = None   # the collective draft channel's, one per drafter generation
+        self.order: LaunchOrder | None = None   # a threaded worker's: tasks launch device work in turn
+
+    def _turn(self, seq: int):
+        return self.order.turn(seq) if self.order is not None else contextlib.nullcontext()
 
     def _runner(self, path: str, step_widths: tuple[int, ...]) -> ModelRunner:
         """The model on this device; on CUDA its graphs for every batch bucket and step width are captured
@@ -257,7 +261,7 @@ class VerifierWorker(_Worker):
         self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
                                  self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
-        self.order = LaunchOrder(self.config.step_timeout_s) if self.config.verifier_overlap else None
+        self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
         self.mailbox = DraftMailbox(self.config.step_timeout_s)   # the direct draft channel's
 
     def put_drafts(self, key: int, drafts: dict) -> None:
@@ -278,10 +282,13 @@ class VerifierWorker(_Worker):
     def drain_drafts(self, round_: LinkRound) -> None:
         """The collective channel: a round no verify will name; take its messages when they come."""
         link = self._link_of(round_.generation)
-        if link is not None:
-            link.drain((round_.rows, round_.k), torch.int64, 2 * round_.key)
-            if self.config.draft_temperature > 0:
-                link.drain((round_.rows, round_.k, self.vocab_limit), torch.float32, 2 * round_.key + 1)
+        try:
+            if link is not None:
+                link.drain((round_.rows, round_.k), torch.int64, 2 * round_.key)
+                if self.config.draft_temperature > 0:
+                    link.drain((round_.rows, round_.k, self.vocab_limit), torch.float32, 2 * round_.key + 1)
+        except Exception:  # noqa: BLE001 - the drafter died: its round will not come
+            pass
 
     def _link_of(self, generation: int) -> PeerLink | None:
         return self.link if self.link is not None and self.link.generation == generation else None
@@ -325,7 +332,7 @@ class VerifierWorker(_Worker):
         """launch() -> (VerifyResult staged to host, StepTimer) runs in turn `seq`; then its results are
         awaited (and, for the collective channel, its tokens sent to the drafter first)
         -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end)."""
-        with self.order.turn(seq) if self.order is not None else contextlib.nullcontext():
+        with self._turn(seq):
             t_launch = time.time()
             staged, timer = launch()
         ms = timer.ms   # waits for the device (and the staged copies) here, outside the turn
@@ -393,19 +400,26 @@ class VerifierWorker(_Worker):
 
 
 class DrafterWorker(_Worker):
-    """The draft model on its own GPU: k greedy (or sampled) tokens per row from final tokens."""
+    """The draft model on its own GPU: k greedy (or sampled) tokens per row from final tokens.
+
+    Every task carries the manager's drafter sequence number. With `drafter_overlap` the actor is threaded, as
+    the verifier is with `verifier_overlap`: a round waits for its tokens (collective channel) and builds its
+    rows outside its turn, launches its device work in its turn, and waits for the device after it, so the next
+    round's hand-over and host work overlap this one's device time instead of following it."""
 
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
+        self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
         self.rounds = 0   # draft rounds run
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> float:
+    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]]) -> float:
         """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
         -> device ms."""
-        with StepTimer(self.device) as timer:
-            self.drafter.prefill(slots, prompts)
+        with self._turn(seq):
+            with StepTimer(self.device) as timer:
+                self.drafter.prefill(slots, prompts)
         return timer.ms
 
     def draft(self, *args):
@@ -415,34 +429,41 @@ class DrafterWorker(_Worker):
         # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/payload_hop_cpu.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
-    def _draft(self, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
-        """rows: (slot, valid, tail, takes, all_but_two) per request; sources: results of verifier tasks (prefill,
-        verify) still in flight when the round was submitted, which Ray passes in once they exist, or (the
-        collective channel) the LinkTokens a verify sends them under. A row's sequence past `valid` is tail +
-        the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already holds all of that
-        sequence but its last two tokens, so only those are fed.
+    def _draft(self, seq: int, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
+        """Drafter task `seq`. rows: (slot, valid, tail, takes, all_but_two) per request; sources: results of
+        verifier tasks (prefill, verify) still in flight when the round was submitted, which Ray passes in once
+        they exist, or (the collective channel) the LinkTokens a verify sends them under. A row's sequence past
+        `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already
+        holds all of that sequence but its last two tokens, so only those are fed.
         positions: output position of each row's first draft before the taken tokens.
         -> (ids [B, k] int64, probs [B, k, V] float32 | None, both on the host; device ms)."""
-        sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
-        if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
-            time.sleep(self.bench["draft_delay_s"])
-        self.rounds += 1
-        if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
-            raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
-        draft_rows = []
-        for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
-            catchup = list(tail)
-            for source, row in takes:
-                catchup += sources[source][0][row]   # a prefill's or verify's emitted tokens of that row
-            positions[i] += len(catchup) - len(tail)
-            if all_but_two:
-                valid, catchup = valid + len(catchup) - 2, catchup[-2:]
-            draft_rows.append(DraftRow(slot, valid, catchup))
-        with StepTimer(self.device) as timer:
-            pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-            ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
-            ids, probs = ids.cpu(), (probs.cpu() if probs is not None else None)
-        return ids, probs, timer.ms
+        draft_rows, error = [], None
+        try:   # outside the turn: the previous round's device work runs meanwhile
+            sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
+            for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
+                catchup = list(tail)
+                for source, row in takes:
+                    catchup += sources[source][0][row]   # a prefill's or verify's emitted tokens of that row
+                positions[i] += len(catchup) - len(tail)
+                if all_but_two:
+                    valid, catchup = valid + len(catchup) - 2, catchup[-2:]
+                draft_rows.append(DraftRow(slot, valid, catchup))
+        except Exception as e:  # noqa: BLE001 - raised in the turn, which is then handed on
+            error = e
+        with self._turn(seq):
+            if error is not None:
+                raise error
+            if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
+                time.sleep(self.bench["draft_delay_s"])
+            self.rounds += 1
+            if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
+                raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
+            with StepTimer(self.device) as timer:
+                pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+                ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
+                ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
+        ms = timer.ms   # waits for the device (and the copies to the host) here, outside the turn
+        return ids, probs, ms
 
     def _tokens_over_link(self, source: LinkTokens) -> tuple[list[list[int]]]:
         """A verify's tokens sent over the link -> its emitted tokens per row, as in the verify's own result."""
@@ -460,7 +481,10 @@ class DrafterWorker(_Worker):
     def drain_tokens(self, source: LinkTokens) -> None:
         """The collective channel: tokens sent for a round that was not drafted after all; take and drop them."""
         if self.link is not None and self.link.generation == source.generation:
-            self.link.drain((source.rows, source.width), torch.int64, source.seq)
+            try:
+                self.link.drain((source.rows, source.width), torch.int64, source.seq)
+            except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
+                pass
 
     def draft_over(self, round_: LinkRound, *args) -> float:
         """The collective channel: draft (args as `_draft`) and send the round over the link -> device ms.
