@@ -119,12 +119,13 @@ def main() -> None:
     write_results(rows, args.out, "payload_hop_" + ("gpu" if gpu else "cpu"),
                   ["route", "container", "rows", "k", "trips", "hop_ms", "hop_p90_ms", "round_trip_ms", "git_sha", "device"],
                   "A draft's trip to the verifier", command_line("bench.payload_hop"), device,
-                  ["hop_ms: median from the end of the drafter's task to the start of the verifier's (one host's clock)",
-                   "round_trip_ms: the driver's view (submission to the verify result), other hops included",
-                   "owner: the verify takes the drafts by reference from the task's submitter (the draft channel today); "
-                   "direct: the drafter submits the verify itself; link: the collective channel's gloo link, the "
-                   "verify already waiting on it (round_trip_ms there includes a 2 ms pause before the send)",
-                   "the draft channel returns lists (ids) and numpy (probabilistic drafts' q) since this measurement"])
+                  ["hop_ms: median from the end of the drafter's task (link: its send) to the start of the verifier's "
+                   "(link: its receive's end), one host's clock",
+                   "round_trip_ms: the driver's view (submission to the verify result), other hops included; for link "
+                   "it includes a 2 ms pause before the send",
+                   "owner: the verify takes the drafts by reference from the task's submitter (the object_store "
+                   "channel); direct: the drafter submits the verify itself; link: the collective channel's gloo link, "
+                   "the verify already waiting on it"])
     ray.shutdown()
 
 

@@ -426,7 +426,7 @@ class DrafterWorker(_Worker):
         """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, V] | None}, device ms)."""
         ids, probs, ms = self._draft(*args)
         # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
-        # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/payload_hop_cpu.md)
+        # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/logs/payload_hop_cpu_before_link.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
     def _draft(self, seq: int, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
