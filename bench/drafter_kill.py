@@ -48,7 +48,7 @@ def drill(mode: str, prompts: list[str], params: list[SamplingParams], reference
         regimes = [h.regime for h in llm.history()]
         again = llm.generate(prompts[:4], params[:4])
         result = {
-            "mode": mode, "transport": transport, "killed_after_steps": started and killed,
+            "mode": mode, "transport": info["transport"], "killed_after_steps": started and killed,
             "completed": sum(o["finish_reason"] is not None for o in outs), "requests": len(outs),
             "equal_to_ar": sum(o["token_ids"] == r for o, r in zip(outs, reference)),
             "drafter_failures": info["drafter_failures"], "ar_steps_while_down": regimes.count("ar"),
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--out", default=None)
-    p.add_argument("--transport", default="object_store", choices=["object_store", "direct", "collective"])
+    p.add_argument("--transport", default="auto", choices=["auto", "object_store", "collective"])
     p.add_argument("--fake-gpus", action="store_true", help="CPU: 2 logical GPUs for the placement group")
     args = p.parse_args(argv)
     init_local_ray(**({"num_gpus": 2, "num_cpus": 4} if args.fake_gpus else {}))

@@ -98,7 +98,7 @@ class Setup:
     margin_s: float = 25.0     # kept free at the end: writing, shutting down
     engine: dict = field(default_factory=dict)
     pairs: bool = True         # run two single-GPU configurations at once, one per GPU
-    transport: str = "object_store"
+    transport: str = "auto"
     batch_mults: tuple[int, ...] = (1, 2, 4)   # baseline batches, in units of m
     split_ablation: bool = True                # sd_split at psd's best k
     real_modes: tuple[str, ...] = ("psd", "sd")
@@ -1037,7 +1037,8 @@ def main(argv=None) -> int:
                    help="real acceptance: the trained pair under minedraft_ray/assets, or a noised tiny copy")
     p.add_argument("--k-psd", type=int, default=None, help="part 2: psd's k (default: best of part 1)")
     p.add_argument("--k-sd", type=int, default=None, help="part 2: sd's k (default: best of part 1)")
-    p.add_argument("--transport", choices=["object_store", "direct", "collective"], default="object_store")
+    p.add_argument("--transport", choices=["auto", "object_store", "collective"], default="auto",
+                   help="the draft channel (auto: the engine's default, collective on GPUs)")
     p.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="auto",
                    help="every engine's verifier_overlap (the verifier launching its next step ahead; auto: on a GPU)")
     p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto",
@@ -1076,11 +1077,12 @@ def main(argv=None) -> int:
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]
+    from minedraft_ray.runtime.transport import default_transport
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd"), "device": machine_name(args.smoke),
-               "transport": setup.transport,
-               # auto: on where the verifier has a GPU (the smoke runs on the CPU), and with the direct channel
+               # auto: the engine's defaults where the workers run (the smoke runs on the CPU)
+               "transport": setup.transport if setup.transport != "auto" else default_transport(on_gpu=not args.smoke),
                "verifier_overlap": args.verifier_overlap if args.verifier_overlap != "auto"
-               else "off" if args.smoke and args.transport != "direct" else "on", "psd_high_load": args.psd_high_load}
+               else "off" if args.smoke else "on", "psd_high_load": args.psd_high_load}
     results = Results(out, priors, set(parts), context, resume=args.resume)
     say(f"{context['device']}; git {context['git_sha']}; parts {parts}; {results.prior_count} rows from earlier "
         f"parts; budget {budget_s:.0f} s per part; synthetic acceptance hook: {has_bench_hook()}")

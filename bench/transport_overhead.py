@@ -49,9 +49,9 @@ def main():
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=64, help="tokens per request")
-    ap.add_argument("--transports", default="object_store,direct")
+    ap.add_argument("--transports", default="object_store,collective")
     ap.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="on",
-                    help="on: what the direct channel needs, so both channels run alike")
+                    help="the threaded verifier (and drafter) for every channel, so they run alike")
     ap.add_argument("--rounds", type=int, default=1, help="passes over the transports (interleaved)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()

@@ -38,9 +38,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
-    transport: Literal["object_store", "direct", "collective"] = Field(
-        "object_store", description="draft channel (runtime/transport.py, docs/transport.md); direct needs the "
-        "threaded verifier (verifier_overlap, turned on by default with it)")
+    transport: Literal["auto", "object_store", "collective"] = Field(
+        "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
+        "workers compute on GPUs, object_store on CPUs")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
     psd_low_load: Literal["auto", "psd", "seq"] = Field(
         "auto", description="psd at loads one batch holds (<= max_batch running): measure psd's and one "

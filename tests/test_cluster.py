@@ -80,7 +80,7 @@ def test_aws_cluster_shape():
     assert gpu["resources"]["GPU"] >= 2 and gpu["resources"]["GPU"] % 2 == 0   # whole psd replicas per node
     assert 1 <= gpu["min_workers"] <= gpu["max_workers"] <= cfg["max_workers"]
     setup = " ".join(cfg["setup_commands"])
-    assert "cupy-cuda12x" in setup and "minedraft_ray-" in setup
+    assert "minedraft_ray-" in setup
 
 
 def test_local_cluster_uses_private_temp_dir():

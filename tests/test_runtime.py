@@ -74,7 +74,6 @@ def test_make_bundles():
 
 @pytest.mark.parametrize("mode, transport", [("ar", "object_store"), ("sd", "object_store"),
                                              ("sd_split", "object_store"), ("psd", "object_store"),
-                                             ("sd_split", "direct"), ("psd", "direct"),
                                              ("sd_split", "collective"), ("psd", "collective")])
 def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport):
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
@@ -103,10 +102,6 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
         else:
             assert llm.info()["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
-        if transport == "direct":   # every round pushed was taken or discarded: at most a batch's next one is left
-            mailbox = ray.get(llm.manager.__ray_call__.remote(
-                lambda self: ray.get(self.manager.verifier.__ray_call__.remote(lambda v: len(v.mailbox._box)))))
-            assert mailbox <= 2, mailbox
         if transport == "collective":   # every message over the link was taken (rounds nobody named, drained)
             deadline = time.time() + 5
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
@@ -157,47 +152,6 @@ def test_verifier_overlap_defaults_to_the_verifiers_device(tiny_llama):
     assert resolved(device="cpu") is False and resolved(device="cuda") is True
     assert resolved(device="cpu", verifier_overlap=True) is True
     assert resolved(device="cuda", verifier_overlap=False) is False
-
-
-def test_direct_channel_needs_the_threaded_verifier(tiny_llama, tiny_llama_draft):
-    """The direct channel's verify waits for its drafts in a thread of its own: overlap off is refused."""
-    from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.manager import BatchManager
-
-    with pytest.raises(ValueError, match="'direct' needs verifier_overlap"):
-        BatchManager(EngineConfig(target=tiny_llama, draft=tiny_llama_draft, mode="psd", transport="direct",
-                                  verifier_overlap=False, device="cpu"))
-
-
-def test_draft_mailbox_hands_over_drops_and_times_out():
-    """The direct channel's mailbox on the verifier: a verify waiting for its round gets it when the drafter
-    pushes it; a failed round (drafter died) lets the waiting verify run without drafts; a discarded round
-    (no verify will ask) is not kept when it arrives later; a round that never comes times out."""
-    import threading
-    from minedraft_ray.runtime.workers import DraftMailbox
-
-    box, got = DraftMailbox(timeout_s=10), {}
-
-    def verify(key):
-        got[key] = box.take(key)
-
-    waiting = [threading.Thread(target=verify, args=(key,)) for key in (0, 1)]
-    for t in waiting:
-        t.start()
-    box.put(0, {"ids": [[5, 6]]})
-    box.drop(1, failed=True)            # round 1's drafter died: its verify runs without drafts
-    for t in waiting:
-        t.join(10)
-    assert got == {0: {"ids": [[5, 6]]}, 1: None}
-    box.put(1, {"ids": [[7, 8]]})       # a failed round's late drafts are not kept
-    box.drop(2, failed=False)           # discarded before it arrived: not kept when it does
-    box.put(2, {"ids": [[9, 9]]})
-    box.put(3, {"ids": [[1, 2]]})
-    box.drop(3, failed=False)           # discarded after it arrived
-    assert box._box == {} and box._discarded == set()
-    box.timeout_s = 0.2
-    with pytest.raises(TimeoutError, match="round 4 did not arrive"):
-        box.take(4)
 
 
 def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
@@ -343,13 +297,13 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
 
 
 @pytest.mark.parametrize("mode, overlap, transport", [("psd", False, "object_store"), ("sd_split", False, "object_store"),
-                                                     ("psd", True, "object_store"), ("psd", True, "direct"),
-                                                     ("psd", False, "collective"), ("sd_split", True, "collective")])
+                                                     ("psd", True, "object_store"), ("psd", False, "collective"),
+                                                     ("sd_split", True, "collective")])
 def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode, overlap,
                                 transport):
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
-    # under its own number; with the direct channel that verify is already waiting for its drafts on the
-    # verifier, and runs without them
+    # under its own number; with the collective channel that verify is already waiting for its drafts on the
+    # link, which fails when the drafter dies, and it runs without them
     # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
     # verify submitted already
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
@@ -444,7 +398,7 @@ def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_ll
 
 
 @pytest.mark.parametrize("draft_temperature, transport", [(0.0, "object_store"), (1.0, "object_store"),
-                                                           (1.0, "direct"), (1.0, "collective")])
+                                                           (1.0, "collective")])
 def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport):
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
     ids, through either draft channel) gives the target's exact distribution of the first three tokens."""

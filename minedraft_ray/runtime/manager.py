@@ -40,7 +40,7 @@ from ..engine.sampling import SamplingParams
 from ..observability.metrics import EngineMetrics, request_status
 from .placement import actor_options, create_placement_group
 from .regime import RegimeChooser
-from .transport import make_channel
+from .transport import default_transport, make_channel
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -140,12 +140,17 @@ def _sampling_row(r: Request) -> tuple:
     return (p.temperature, p.top_p, p.top_k, r.seed)
 
 
+def workers_on_gpu(config: EngineConfig) -> bool:
+    """Whether the workers will compute on a GPU. The manager shares their node (STRICT_PACK), and Ray hides no
+    GPU from an actor that asks for none, so the workers' device choice can be made here."""
+    return config.device == "cuda" or (config.device == "auto" and default_device().type == "cuda")
+
+
 def overlap_by_default(config: EngineConfig) -> bool:
     """verifier_overlap's default: on where the verifier computes on a GPU (measured there:
     bench/results/psd_vs_sd_analysis.md); on a CPU the host is the device, nothing runs ahead and the waiting
-    threads only contend (slower). The manager shares the workers' node (STRICT_PACK), and Ray hides no GPU
-    from an actor that asks for none, so the workers' device choice can be made here."""
-    return config.device == "cuda" or (config.device == "auto" and default_device().type == "cuda")
+    threads only contend (slower)."""
+    return workers_on_gpu(config)
 
 
 class BatchManager:
@@ -164,13 +169,12 @@ class BatchManager:
                         model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
             config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
             self.config = config
+        if config.transport == "auto":
+            config = config.model_copy(update={"transport": default_transport(on_gpu=workers_on_gpu(config))})
+            self.config = config
         self.channel = make_channel(config.transport)
-        if self.channel.needs_threaded_verifier and config.verifier_overlap is False:
-            raise ValueError(f"transport {config.transport!r} needs verifier_overlap (a verify waits for its "
-                             "drafts in a thread of its own)")
         if config.verifier_overlap is None:
-            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)
-                                               or self.channel.needs_threaded_verifier})
+            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
             self.config = config
         if config.drafter_overlap is None:
             config = config.model_copy(update={"drafter_overlap": config.verifier_overlap})

@@ -1,22 +1,20 @@
-"""The draft channel: how draft ids (and, for probabilistic drafting, draft probabilities) go
-from the drafter actor to the verifier actor. The manager only ever holds references and waits on
-a tiny timing object; the drafts never pass through it.
+"""The draft channel: how draft ids (and, for probabilistic drafting, draft probabilities) go from the
+drafter actor to the verifier actor, and how a verify's tokens reach the draft round queued behind it.
+The manager only ever holds references or keys; drafts never pass through it.
 
-- `object_store` (default): the drafter returns host lists; the verify task names that result as an
-  argument, so Ray hands it over through the manager (the result's owner): drafter -> manager -> verifier.
-- `direct`: the drafter pushes its drafts to the verifier itself (`VerifierWorker.put_drafts`), and the
-  verify, already delivered, takes them by key from the verifier's mailbox in its turn: one message on
-  the chain instead of two (0.70 against 1.00 ms per hop on the 2x H200 host, bench/results/payload_hop_gpu.md).
-  The verify waits in a thread of its own, so this channel needs the threaded verifier (verifier_overlap).
-- `collective`: drafter and verifier talk over a gloo link of their own (runtime/link.py), both ways: the
-  drafter sends each round's drafts, and each verify sends its tokens to the draft round queued behind it, so
-  neither direction of psd's chain (verify -> tokens -> draft -> drafts -> verify) waits for a Ray message.
-  The manager still orders everything with Ray calls made ahead of time; they carry keys (LinkRound,
-  LinkTokens) that tell each side the tag and shape of the message to wait for.
+- `collective` (default where the workers compute on GPUs): drafter and verifier talk over a gloo link of
+  their own (runtime/link.py), both ways: the drafter sends each round's drafts, and each verify sends its
+  tokens to the draft round queued behind it, so neither direction of psd's chain (verify -> tokens -> draft
+  -> drafts -> verify) waits for a Ray message (a hop of 0.14 ms against 0.85 ms through Ray on the 2x H200
+  host, bench/results/payload_hop_gpu.md). The manager still orders everything with Ray calls made ahead of
+  time; they carry keys (LinkRound, LinkTokens) that tell each side the tag and shape of the message to wait for.
+- `object_store` (default on CPUs): the drafter returns host lists; the verify task names that result as an
+  argument, so Ray hands it over through the manager (the result's owner): drafter -> manager -> verifier,
+  and a draft round names its verify's result the same way.
 
-Ray Direct Transport (RDT, NCCL/gloo collective groups) was implemented and measured behind this
-interface and removed: slower for token-id payloads, it fails the drafter-kill test (RDT kills the
-receiving verifier) and it stalled a verify step under CPU load (docs/transport.md).
+Measured and removed (docs/transport.md): Ray Direct Transport (RDT, NCCL/gloo collective groups; slower for
+token-id payloads, and it kills the receiving verifier when the drafter dies), and `direct` (the drafter
+calling the verifier itself; one Ray hop of 0.80 ms instead of 0.85, superseded by the link).
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ import logging
 
 import ray
 
-from .workers import DraftKey, DrafterWorker, LinkRound, LinkTokens, SpecWorker, VerifierWorker
+from .workers import DrafterWorker, LinkRound, LinkTokens, SpecWorker, VerifierWorker
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -32,7 +30,6 @@ log = logging.getLogger("minedraft.runtime")
 class DraftChannel:
     name = "abstract"
     actor_options: dict = {}
-    needs_threaded_verifier = False
 
     def actor_classes(self):
         """(VerifierActor, DrafterActor, SpecActor) remote classes suited to this channel."""
@@ -76,29 +73,6 @@ class ObjectStoreChannel(DraftChannel):
         return resubmit()
 
 
-class DirectChannel(DraftChannel):
-    name = "direct"
-    needs_threaded_verifier = True
-
-    def __init__(self):
-        self._next_key = 0
-
-    async def connect(self, drafter, verifier, device: str) -> None:
-        await drafter.set_peer.remote(verifier)
-
-    def submit(self, drafter, verifier, args):
-        key, self._next_key = self._next_key, self._next_key + 1
-        return DraftKey(key), drafter.draft_to.remote(key, *args)
-
-    def discard(self, verifier, drafts) -> None:
-        verifier.drop_drafts.remote(drafts.key, False)
-
-    def without_drafts(self, verifier, drafts, task_ref, resubmit):
-        # the verify is on the verifier already, waiting for these drafts: it runs without them
-        verifier.drop_drafts.remote(drafts.key, True)
-        return task_ref
-
-
 class CollectiveChannel(DraftChannel):
     name = "collective"
 
@@ -131,7 +105,14 @@ class CollectiveChannel(DraftChannel):
         drafter.drain_tokens.remote(tokens)
 
 
-CHANNELS = {c.name: c for c in (ObjectStoreChannel, DirectChannel, CollectiveChannel)}
+CHANNELS = {c.name: c for c in (ObjectStoreChannel, CollectiveChannel)}
+
+
+def default_transport(on_gpu: bool) -> str:
+    """The channel where `transport` is auto: the link on GPUs (psd at m = 16 on 2x H200: verifier busy 0.96-0.99
+    at k <= 4 against 0.82-0.98 with the object store, docs/transport.md); the object store on CPUs, where the
+    two actors and the link's threads share the cores (slower on the 2-core dev machine)."""
+    return "collective" if on_gpu else "object_store"
 
 
 def make_channel(name: str) -> DraftChannel:

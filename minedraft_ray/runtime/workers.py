@@ -94,12 +94,6 @@ class LaunchOrder:
 
 
 @dataclass(frozen=True)
-class DraftKey:
-    """A verify's drafts under the direct channel: the round the drafter pushes to the verifier's mailbox."""
-    key: int
-
-
-@dataclass(frozen=True)
 class LinkRound:
     """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, V] float32
     under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
@@ -118,42 +112,6 @@ class LinkTokens:
     rows: int
     width: int
     generation: int
-
-
-class DraftMailbox:
-    """Drafts pushed by the drafter (direct channel) until the verify naming them takes them. A round can be
-    dropped: failed (the verify waiting for it runs without drafts) or discarded (no verify will ask)."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self._cond = threading.Condition()
-        self._box: dict[int, dict | None] = {}   # key -> drafts, or None: failed, run without
-        self._discarded: set[int] = set()         # dropped before they arrived: not kept when they do
-
-    def put(self, key: int, drafts: dict) -> None:
-        with self._cond:
-            if key in self._discarded:
-                self._discarded.discard(key)
-            elif key not in self._box:   # a failed round's late drafts stay unused
-                self._box[key] = drafts
-                self._cond.notify_all()
-
-    def drop(self, key: int, failed: bool) -> None:
-        with self._cond:
-            if failed:
-                self._box[key] = None
-                self._cond.notify_all()
-            elif self._box.pop(key, None) is None:
-                self._discarded.add(key)
-
-    def take(self, key: int) -> dict | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: key in self._box, self.timeout_s):
-                raise TimeoutError(f"the drafts of round {key} did not arrive within {self.timeout_s:.0f} s")
-            drafts = self._box.pop(key)
-            if drafts is None:   # failed: should its drafts still come (pushed just before the drafter died), drop them
-                self._discarded.add(key)
-            return drafts
 
 
 def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
@@ -262,14 +220,6 @@ class VerifierWorker(_Worker):
                                  self.bench.get("synthetic_acceptance"))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
-        self.mailbox = DraftMailbox(self.config.step_timeout_s)   # the direct draft channel's
-
-    def put_drafts(self, key: int, drafts: dict) -> None:
-        """The direct channel: the drafter hands over a round (a verify may be waiting for it)."""
-        self.mailbox.put(key, drafts)
-
-    def drop_drafts(self, key: int, failed: bool) -> None:
-        self.mailbox.drop(key, failed)
 
     def open_link(self, generation: int) -> tuple[str, int]:
         """The collective channel: listen for the drafter of `generation` -> (host, port) for it to join."""
@@ -295,8 +245,6 @@ class VerifierWorker(_Worker):
 
     def _take_drafts(self, drafts):
         """What a verify names as its drafts -> {"ids", "probs"} or None (run without: the round failed)."""
-        if isinstance(drafts, DraftKey):
-            return self.mailbox.take(drafts.key)
         if not isinstance(drafts, LinkRound):
             return drafts
         link = self._link_of(drafts.generation)
@@ -494,16 +442,6 @@ class DrafterWorker(_Worker):
         self.link.send(ids, 2 * round_.key)
         if probs is not None:
             self.link.send(probs.contiguous(), 2 * round_.key + 1)
-        return ms
-
-    def set_peer(self, verifier) -> None:
-        """The direct channel: the verifier this drafter pushes its rounds to."""
-        self.peer = verifier
-
-    def draft_to(self, key: int, *args) -> float:
-        """The direct channel: draft (args as `draft`), push the round to the verifier -> device ms."""
-        drafts, ms = self.draft(*args)
-        self.peer.put_drafts.remote(key, drafts)
         return ms
 
 
