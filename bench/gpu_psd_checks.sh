@@ -16,6 +16,8 @@
 #            the object store and (time permitting) the direct channel, in the same call (the A/B).
 #   STAGE=6: the collective channel with the threaded drafter: the drafter-kill drill (psd), psd's m = 16 sweep,
 #            and sd at m = 16, k = 5 and 4 in the same call (the ratio's baseline).
+#   STAGE=7: sd at m = 16, k = 5 and 4 (the psd/sd ratio's baseline, in the same call as nothing else), then a
+#            same-call part 2 of psd and sd_split (closed, and online at 30/60/90 % of 51.9 req/s, 20 s each).
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -75,6 +77,18 @@ elif [ "$STAGE" = 6 ]; then
     | grep -v 'it/s\]' > "$OUT/sd1.log"
   say "sd m=16 rc=$?"; grep -E '^\[|^skipped' "$OUT/sd1.log" | tail -8
   rm -f "$OUT/sd1/psd_vs_sd.png" "$OUT/sd1/psd_vs_sd.md"
+elif [ "$STAGE" = 7 ]; then
+  timeout 130 python -m bench.psd_vs_sd --part 1 --part1-modes sd --sd-ks 5,4 --batch-mults 1 --prior /nonexistent \
+    --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 118 --out "$OUT/sd1" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/sd1.log"
+  say "sd m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/sd1.log" | tail -8
+  rm -f "$OUT/sd1/psd_vs_sd.png" "$OUT/sd1/psd_vs_sd.md"
+  l=$(left 555)
+  timeout "$l" python -m bench.psd_vs_sd --part 2 --part2-modes psd,sd_split --capacity 51.911 --online-s 20 \
+    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s $(( l - 15 )) \
+    --out "$OUT/psd2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd2.log"
+  say "part 2 psd, sd_split rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/psd2.log" | tail -12
+  rm -f "$OUT/psd2/psd_vs_sd.png" "$OUT/psd2/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
   timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \

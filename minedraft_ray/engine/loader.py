@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,8 +136,14 @@ def load_model(path, device, dtype: torch.dtype | None = None) -> Transformer:
     return model.requires_grad_(False).eval()
 
 
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
+    # transformers' lazy module is not thread-safe on first use: two engines built in threads at once (the
+    # benchmark's pairs) failed with "cannot import name 'AutoTokenizer'" on the GPU host (logs/stage6_sd1_cad50e3.log)
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():
