@@ -128,7 +128,7 @@ def plot_engine_speed(parquet, png) -> Path:
 
 
 def bar_plot(label_of, value: str, ylabel: str, title: str):
-    """A one-panel bar chart of `value` per row, labelled by `label_of(row)`."""
+    """A one-panel bar chart of `value` per row, labelled by `label_of(row)` (a bar per row, repeats included)."""
     def plot(parquet, png) -> Path:
         import matplotlib
 
@@ -137,8 +137,8 @@ def bar_plot(label_of, value: str, ylabel: str, title: str):
 
         rows = read_rows(parquet)
         fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 3.6))
-        ax.bar([label_of(r) for r in rows], [r[value] for r in rows],
-               color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.bar(range(len(rows)), [r[value] for r in rows], color=[f"C{i % 10}" for i in range(len(rows))])
+        ax.set_xticks(range(len(rows)), [label_of(r) for r in rows])
         ax.set(ylabel=ylabel, title=title)
         ax.tick_params(axis="x", labelsize=8, rotation=20)
         ax.grid(axis="y", alpha=0.3)
@@ -157,8 +157,9 @@ PLOTS = {
     "default_pair_speed_cpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s",
                                        "default pair: ar / sd / psd (CPU, informational)"),
     "default_pair_speed_gpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s", "default pair on a GPU"),
-    "transport_overhead_cpu": bar_plot(lambda r: r["transport"], "ray_overhead_ms", "ms per psd step",
-                                       "draft-channel overhead (CPU)"),
+    "transport_overhead_cpu": bar_plot(lambda r: f"{r['transport']}, overlap {'on' if r['verifier_overlap'] else 'off'}",
+                                       "step_ms", "ms per psd step (wall)",
+                                       "psd step time by draft channel (CPU, 2 cores)"),
     **{f"payload_hop_{where}": bar_plot(lambda r: f"{r['route']} / {r['container']}", "hop_ms",
                                         "ms, drafter end -> verifier start", f"a draft's hop to the verifier ({where})")
        for where in ("cpu", "gpu")},
