@@ -18,6 +18,7 @@
 #            and sd at m = 16, k = 5 and 4 in the same call (the ratio's baseline).
 #   STAGE=7: sd at m = 16, k = 5 and 4 (the psd/sd ratio's baseline, in the same call as nothing else), then a
 #            same-call part 2 of psd and sd_split (closed, and online at 30/60/90 % of 51.9 req/s, 20 s each).
+#   STAGE=8: the real-acceptance rows (psd and sd on the default pair at m = 64), in what device time is left.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -89,6 +90,11 @@ elif [ "$STAGE" = 7 ]; then
     --out "$OUT/psd2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/psd2.log"
   say "part 2 psd, sd_split rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/psd2.log" | tail -12
   rm -f "$OUT/psd2/psd_vs_sd.png" "$OUT/psd2/psd_vs_sd.md"
+elif [ "$STAGE" = 8 ]; then
+  timeout 245 python -m bench.psd_vs_sd --part 2 --part2-modes real --prior bench/results/psd_vs_sd.parquet --ms 64 \
+    --alphas 0.8 --temperature 0 --budget-s 230 --out "$OUT/real" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/real.log"
+  say "part 2 real rows rc=$?"; grep -E '^\[|^skipped|^failed|^part 2' "$OUT/real.log" | tail -8
+  rm -f "$OUT/real/psd_vs_sd.png" "$OUT/real/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
   timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \

@@ -801,7 +801,7 @@ class Bench:
             say(f"online: arrival rates relative to {args.capacity} req/s, not this psd's {fmt(capacity)} req/s")
             capacity = args.capacity
         rest = sum(budget.est_job(s, waves * 2 * m) for s in online[1:] + real)
-        duration = (budget.left() - rest) / runs - drain_est
+        duration = (budget.left() - rest) / max(runs, 1) - drain_est   # runs = 0: the real rows alone
         duration = args.online_s or min(setup.online_s[1], max(setup.online_s[0], duration))
         rates = [load * capacity for load in setup.loads] if capacity else []
         say(f"online: psd closed-loop capacity {fmt(capacity)} req/s -> {[round(r, 2) for r in rates]} req/s, "
