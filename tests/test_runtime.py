@@ -76,8 +76,9 @@ def test_make_bundles():
                                              ("sd_split", "object_store"), ("psd", "object_store"),
                                              ("sd_split", "collective"), ("psd", "collective")])
 def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport):
+    # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, transport=transport)
+              torch_threads=1, transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}))
     try:
         if mode in ("psd", "sd_split"):
             gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}
@@ -227,7 +228,8 @@ def test_psd_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, t
     equals ar's token for token."""
     prompts, n, max_batch = (PROMPTS[:3], 48, 4) if load == "low" else (PROMPTS * 2, 24, 2)
     reference = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(prompts, greedy(n))
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=max_batch, torch_threads=1)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=max_batch, torch_threads=1,
+              psd_low_load="auto")
     try:
         outs = llm.generate(prompts, [greedy(n)] * len(prompts))
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -262,12 +264,16 @@ def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llam
         llm.shutdown()
 
 
-def test_psd_queues_until_the_demand_fills_both_batches(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
-    """psd_high_load=auto: a demand above one batch but short of two is served FIFO by one sequential batch (the
-    split would share the verifier among more requests for little more throughput); output == ar's."""
-    prompts = PROMPTS[:7]   # max_batch 4: more than one batch holds, fewer than two
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, psd_low_load="seq", torch_threads=1)
+def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                         reference_10):
+    """The defaults: a demand one batch holds runs one sequential batch (psd_low_load=seq), and a demand above
+    one batch but short of two is served FIFO by that batch (psd_high_load=auto; the split would share the
+    verifier among more requests for little more throughput): sd_split's schedule. Output == ar's."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, torch_threads=1)
     try:
+        outs = llm.generate(PROMPTS[:3], [greedy(10)] * 3)   # max_batch 4: one batch holds them
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:3]]
+        prompts = PROMPTS[:7]   # more than one batch holds, fewer than two
         outs = llm.generate(prompts, [greedy(10)] * len(prompts))
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:7]]
         history = llm.history()
