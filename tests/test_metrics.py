@@ -106,7 +106,9 @@ def prom(ray_cluster, tmp_path_factory):
 def served(ray_cluster, prom, tiny_llama, tiny_llama_draft):
     """N finished requests and one aborted mid-stream, on a psd engine with its own model name."""
     model = f"metrics-{uuid.uuid4().hex[:8]}"
-    llm = LLM(str(tiny_llama), str(tiny_llama_draft), mode="psd", k=3, max_batch=2, model_name=model, torch_threads=1)
+    # psd_high_load=psd: the batches split whenever more than one batch's worth runs, so psd-regime series exist
+    llm = LLM(str(tiny_llama), str(tiny_llama_draft), mode="psd", k=3, max_batch=2, model_name=model, torch_threads=1,
+              psd_high_load="psd")
     try:
         wired = ray.get(llm.manager.__ray_call__.remote(lambda actor: getattr(actor.manager, "metrics", None)
                                                         is not None))
