@@ -18,7 +18,7 @@
 #            and sd at m = 16, k = 5 and 4 in the same call (the ratio's baseline).
 #   STAGE=7: sd at m = 16, k = 5 and 4 (the psd/sd ratio's baseline, in the same call as nothing else), then a
 #            same-call part 2 of psd and sd_split (closed, and online at 30/60/90 % of 51.9 req/s, 20 s each).
-#   STAGE=8: the real-acceptance rows (psd and sd on the default pair at m = 64), in what device time is left.
+#   STAGE=8: the real-acceptance rows alone (psd and sd on the default pair at m = 64; no synthetic psd run first).
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"

@@ -793,7 +793,8 @@ class Bench:
         drain_est = 1.0 if setup.smoke else 4.0
         waves = budget.fit_waves([(s, m) for s in online + real], reserve_s=runs * (setup.online_s[0] + drain_est))
 
-        rows = self.closed([psd], m, [waves])  # also the capacity the arrival rates are relative to
+        # psd's closed run, also the capacity the arrival rates are relative to (not wanted for the real rows alone)
+        rows = self.closed([psd], m, [waves]) if online or not args.part2_modes else []
         closed_psd = rows + res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed")
         closed_psd = [r for r in closed_psd if r.get("status") == "ok"]
         capacity = closed_psd[0]["n_requests"] / closed_psd[0]["run_s"] if closed_psd else None
@@ -804,8 +805,9 @@ class Bench:
         duration = (budget.left() - rest) / max(runs, 1) - drain_est   # runs = 0: the real rows alone
         duration = args.online_s or min(setup.online_s[1], max(setup.online_s[0], duration))
         rates = [load * capacity for load in setup.loads] if capacity else []
-        say(f"online: psd closed-loop capacity {fmt(capacity)} req/s -> {[round(r, 2) for r in rates]} req/s, "
-            f"{duration:.1f} s of arrivals each")
+        if online:
+            say(f"online: psd closed-loop capacity {fmt(capacity)} req/s -> {[round(r, 2) for r in rates]} req/s, "
+                f"{duration:.1f} s of arrivals each")
         for spec in online:
             if spec is not psd:  # the data-parallel baselines on the closed workload psd just ran
                 w = budget.affordable_waves(spec, m, waves)

@@ -97,3 +97,14 @@ def test_part2_subset_at_given_rates_through_the_collective_channel(tmp_path):
     online = sorted(find(rows, workload="online"), key=lambda r: r["load"])
     assert [r["rate_rps"] for r in online] == pytest.approx([0.9, 1.8, 2.7])
     assert all(r["duration_s"] == 1 and r["completed"] == r["n_requests"] > 0 for r in online)
+
+
+def test_part2_real_rows_alone_run_nothing_else(tmp_path):
+    """--part2-modes real: only the real-acceptance rows (no synthetic psd run for a capacity nobody uses), so a
+    short device call spends its time on them."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "bench.psd_vs_sd", "--smoke", "--part", "2", "--part2-modes", "real",
+                           "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "psd_vs_sd.parquet").to_pylist()
+    assert [(r["mode"], r["acceptance"], r["status"]) for r in rows] == [("sd", "real", "ok")]
