@@ -12,6 +12,7 @@ Writes bench/results/payload_hop_{cpu,gpu}.{parquet,md} (the host does this work
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -23,6 +24,7 @@ import torch
 from bench.common import command_line, git_sha, write_results
 from minedraft_ray.runtime.link import PeerLink
 
+LINK_TAGS = itertools.count()   # one tag per message over the link
 CONTAINERS = {"torch": lambda t: t, "numpy": lambda t: t.numpy(), "list": lambda t: t.tolist()}
 
 
@@ -69,10 +71,10 @@ def trip(drafter, verifier, route: str, rows: int, k: int, container: str) -> tu
     """-> (drafter end -> verifier start, driver round trip), in ms."""
     t0 = time.perf_counter()
     if route == "link":   # the verify waits on the link first, as a verify queued behind another does
-        trip.tag = getattr(trip, "tag", 0) + 1
-        verify_ref = verifier.verify_over_link.remote(rows, k, trip.tag)
+        tag = next(LINK_TAGS)
+        verify_ref = verifier.verify_over_link.remote(rows, k, tag)
         time.sleep(0.002)
-        end = ray.get(drafter.draft_over_link.remote(rows, k, trip.tag))
+        end = ray.get(drafter.draft_over_link.remote(rows, k, tag))
         verify = ray.get(verify_ref)
     elif route == "owner":
         drafts, end_ref = drafter.draft.options(num_returns=2).remote(rows, k, container)

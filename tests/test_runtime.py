@@ -385,8 +385,11 @@ def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_ll
         llm.shutdown()
 
 
-def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft):
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30)
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft, transport):
+    # collective: the drafter waiting on the link for a verify's tokens sees the verifier's end close
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30,
+              transport=transport)
     try:
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:4]], [greedy(1500)] * 4)

@@ -138,6 +138,10 @@ class _Worker:
     def _turn(self, seq: int):
         return self.order.turn(seq) if self.order is not None else contextlib.nullcontext()
 
+    def _link_of(self, generation: int) -> PeerLink | None:
+        """The collective channel's link, if it is the one of that drafter generation."""
+        return self.link if self.link is not None and self.link.generation == generation else None
+
     def _runner(self, path: str, step_widths: tuple[int, ...]) -> ModelRunner:
         """The model on this device; on CUDA its graphs for every batch bucket and step width are captured
         now, so the first requests do not pay for captures (and the compiles inside them)."""
@@ -239,9 +243,6 @@ class VerifierWorker(_Worker):
                     link.drain((round_.rows, round_.k, self.vocab_limit), torch.float32, 2 * round_.key + 1)
         except Exception:  # noqa: BLE001 - the drafter died: its round will not come
             pass
-
-    def _link_of(self, generation: int) -> PeerLink | None:
-        return self.link if self.link is not None and self.link.generation == generation else None
 
     def _take_drafts(self, drafts):
         """What a verify names as its drafts -> {"ids", "probs"} or None (run without: the round failed)."""
@@ -415,9 +416,10 @@ class DrafterWorker(_Worker):
 
     def _tokens_over_link(self, source: LinkTokens) -> tuple[list[list[int]]]:
         """A verify's tokens sent over the link -> its emitted tokens per row, as in the verify's own result."""
-        if self.link is None or self.link.generation != source.generation:
+        link = self._link_of(source.generation)
+        if link is None:
             raise ConnectionError(f"no link of generation {source.generation} for verify {source.seq}'s tokens")
-        tokens = self.link.recv((source.rows, source.width), torch.int64, source.seq).tolist()   # [B, w]
+        tokens = link.recv((source.rows, source.width), torch.int64, source.seq).tolist()   # [B, w]
         return ([[t for t in row if t >= 0] for row in tokens],)
 
     def join_link(self, generation: int, host: str, port: int) -> None:
@@ -428,11 +430,12 @@ class DrafterWorker(_Worker):
 
     def drain_tokens(self, source: LinkTokens) -> None:
         """The collective channel: tokens sent for a round that was not drafted after all; take and drop them."""
-        if self.link is not None and self.link.generation == source.generation:
-            try:
-                self.link.drain((source.rows, source.width), torch.int64, source.seq)
-            except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
-                pass
+        link = self._link_of(source.generation)
+        try:
+            if link is not None:
+                link.drain((source.rows, source.width), torch.int64, source.seq)
+        except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
+            pass
 
     def draft_over(self, round_: LinkRound, *args) -> float:
         """The collective channel: draft (args as `_draft`) and send the round over the link -> device ms.
