@@ -19,6 +19,10 @@
 #   STAGE=7: sd at m = 16, k = 5 and 4 (the psd/sd ratio's baseline, in the same call as nothing else), then a
 #            same-call part 2 of psd and sd_split (closed, and online at 30/60/90 % of 51.9 req/s, 20 s each).
 #   STAGE=8: the real-acceptance rows alone (psd and sd on the default pair at m = 64; no synthetic psd run first).
+#   STAGE=9: psd's m = 16 sweep and sd at k = 2, 4, 5 in the same call (the psd/sd ratio from one call), then the
+#            real-acceptance rows.
+#   STAGE=10: online only (no closed runs): psd and sd_split at 30/60/90 % of 51.9 req/s, 50 s each, same call.
+#   STAGE=11: ar_dp2 (closed, online at the same rates), then the alpha = 0.6 rows at m = 16 in what time is left.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -95,6 +99,35 @@ elif [ "$STAGE" = 8 ]; then
     --alphas 0.8 --temperature 0 --budget-s 230 --out "$OUT/real" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/real.log"
   say "part 2 real rows rc=$?"; grep -E '^\[|^skipped|^failed|^part 2' "$OUT/real.log" | tail -8
   rm -f "$OUT/real/psd_vs_sd.png" "$OUT/real/psd_vs_sd.md"
+elif [ "$STAGE" = 9 ]; then
+  timeout 305 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --sd-ks 2,4,5 --batch-mults 1 --prior /nonexistent \
+    --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 290 --out "$OUT/m16" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/m16.log"
+  say "psd, sd m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/m16.log" | tail -10
+  rm -f "$OUT/m16/psd_vs_sd.png" "$OUT/m16/psd_vs_sd.md"
+  l=$(left 570)
+  timeout "$l" python -m bench.psd_vs_sd --part 2 --part2-modes real --prior bench/results/psd_vs_sd.parquet --ms 64 \
+    --alphas 0.8 --temperature 0 --budget-s $(( l - 15 )) --out "$OUT/real" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/real.log"
+  say "part 2 real rows rc=$?"; grep -E '^\[|^skipped|^failed|^part 2' "$OUT/real.log" | tail -8
+  rm -f "$OUT/real/psd_vs_sd.png" "$OUT/real/psd_vs_sd.md"
+elif [ "$STAGE" = 10 ]; then
+  timeout 555 python -m bench.psd_vs_sd --part 2 --part2-modes psd,sd_split --online-only --capacity 51.911 --online-s 50 \
+    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 540 \
+    --out "$OUT/online" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/online.log"
+  say "online psd, sd_split rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/online.log" | tail -12
+  rm -f "$OUT/online/psd_vs_sd.png" "$OUT/online/psd_vs_sd.md"
+elif [ "$STAGE" = 11 ]; then
+  timeout 300 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --capacity 51.911 --online-s 50 \
+    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 290 \
+    --out "$OUT/ar_dp2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/ar_dp2.log"
+  say "ar_dp2 rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/ar_dp2.log" | tail -8
+  rm -f "$OUT/ar_dp2/psd_vs_sd.png" "$OUT/ar_dp2/psd_vs_sd.md"
+  l=$(left 570)
+  timeout "$l" python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent \
+    --ms 16 --alphas 0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 )) --out "$OUT/a06" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/a06.log"
+  say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -12
+  rm -f "$OUT/a06/psd_vs_sd.png" "$OUT/a06/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
   timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \

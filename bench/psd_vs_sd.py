@@ -793,10 +793,12 @@ class Bench:
         drain_est = 1.0 if setup.smoke else 4.0
         waves = budget.fit_waves([(s, m) for s in online + real], reserve_s=runs * (setup.online_s[0] + drain_est))
 
-        # psd's closed run, also the capacity the arrival rates are relative to (not wanted for the real rows alone)
-        rows = self.closed([psd], m, [waves]) if online or not args.part2_modes else []
-        closed_psd = rows + res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed")
-        closed_psd = [r for r in closed_psd if r.get("status") == "ok"]
+        # psd's closed run, also the capacity the arrival rates are relative to: not for the real rows alone, nor
+        # for baselines whose rates are given (--capacity) or follow from an earlier psd row
+        closed_psd = [r for r in res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed")
+                      if r.get("status") == "ok"]
+        if (psd in online and not args.online_only) or (online and not args.capacity and not closed_psd):
+            closed_psd = [r for r in self.closed([psd], m, [waves]) if r.get("status") == "ok"] + closed_psd
         capacity = closed_psd[0]["n_requests"] / closed_psd[0]["run_s"] if closed_psd else None
         if args.capacity:   # the arrival rates of an earlier run (its baselines' rows stay comparable)
             say(f"online: arrival rates relative to {args.capacity} req/s, not this psd's {fmt(capacity)} req/s")
@@ -809,7 +811,7 @@ class Bench:
             say(f"online: psd closed-loop capacity {fmt(capacity)} req/s -> {[round(r, 2) for r in rates]} req/s, "
                 f"{duration:.1f} s of arrivals each")
         for spec in online:
-            if spec is not psd:  # the data-parallel baselines on the closed workload psd just ran
+            if spec is not psd and not args.online_only:  # the baselines on the closed workload psd just ran
                 w = budget.affordable_waves(spec, m, waves)
                 if w:
                     self.closed([spec], m, [w])
@@ -1051,6 +1053,8 @@ def main(argv=None) -> int:
     p.add_argument("--capacity", type=float, default=None,
                    help="part 2: the closed-loop capacity (req/s) the arrival rates are relative to (default: "
                    "psd's in this run)")
+    p.add_argument("--online-only", action="store_true",
+                   help="part 2: the online runs alone, at the arrival rates --capacity gives (no closed runs)")
     p.add_argument("--online-s", type=float, default=None,
                    help="part 2: seconds of arrivals per load (default: what the budget allows, 20-60)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
@@ -1064,6 +1068,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of synthetic rows")
     p.add_argument("--batch-mults", default="1,2,4", help="baseline batches as multiples of m")
     args = p.parse_args(argv)
+    if args.online_only and not args.capacity:
+        p.error("--online-only needs --capacity (the arrival rates come from it, not from a closed run)")
     start = time.perf_counter()  # the first part's budget counts from here: Ray and model setup included
     parts = [1, 2] if (args.part or ("all" if args.smoke else "1")) == "all" else [int(args.part)]
     budget_s = args.budget_s or (600.0 if args.smoke else 460.0)

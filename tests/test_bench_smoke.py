@@ -81,11 +81,13 @@ def test_online_and_real(smoke):
 
 
 def test_part2_subset_at_given_rates_through_the_collective_channel(tmp_path):
-    """--part2-modes psd,real: psd alone (closed, then online) and the real-acceptance rows; --capacity: the arrival rates an earlier run's
-    baselines met (loads x capacity), whatever this psd's capacity; every row through the collective channel."""
+    """--part2-modes psd,real: psd alone and the real-acceptance rows; --capacity: the arrival rates an earlier run's
+    baselines met (loads x capacity); --online-only: psd's online runs without its closed run; every row through
+    the collective channel."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "bench.psd_vs_sd", "--smoke", "--part", "2", "--part2-modes", "psd,real",
-                           "--capacity", "3", "--online-s", "1", "--transport", "collective", "--out", str(tmp_path)],
+                           "--capacity", "3", "--online-only", "--online-s", "1", "--transport", "collective",
+                           "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pq.read_table(tmp_path / "psd_vs_sd.parquet").to_pylist()
@@ -93,7 +95,7 @@ def test_part2_subset_at_given_rates_through_the_collective_channel(tmp_path):
     real = [r for r in rows if r["acceptance"] == "real"]   # the smoke's real-acceptance mode is sd
     assert [r["mode"] for r in real] == ["sd"] and 0 < real[0]["alpha"] < 1
     rows = [r for r in rows if r["acceptance"] != "real"]
-    assert {r["mode"] for r in rows} == {"psd"}
+    assert {(r["mode"], r["workload"]) for r in rows} == {("psd", "online")}
     online = sorted(find(rows, workload="online"), key=lambda r: r["load"])
     assert [r["rate_rps"] for r in online] == pytest.approx([0.9, 1.8, 2.7])
     assert all(r["duration_s"] == 1 and r["completed"] == r["n_requests"] > 0 for r in online)
