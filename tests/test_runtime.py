@@ -358,6 +358,27 @@ def test_a_round_failing_on_a_live_drafter_does_not_stall_its_verify(ray_cluster
         llm.shutdown()
 
 
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_a_hung_drafter_is_replaced_after_the_step_timeout(ray_cluster, tiny_llama, tiny_llama_draft, reference,
+                                                           transport):
+    """A drafter that hangs without dying (a round that never returns): the manager's wait for the round times out
+    after step_timeout_s, the drafter is replaced, and the verify that waited for those drafts (on the link, or as
+    a task argument) runs without them. Every request completes with ar's output, and nothing waits longer than
+    about one timeout."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport=transport,
+              step_timeout_s=5, _bench={"draft_hang_at": 4})
+    try:
+        t0 = time.time()
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        elapsed = time.time() - t0
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        info = llm.info()
+        assert info["drafter_failures"] == 1 and info["draft_rounds_failed"] >= 1, info
+        assert elapsed < 10, elapsed   # one 5 s timeout (~5.3 s here), not one per waiting call, nor the hour
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["psd", "sd_split"])
 def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_llama_draft, reference_10, mode):
     """New prompts go to the drafter at admission, before any draft: with the drafter already dead, that

@@ -407,6 +407,8 @@ class DrafterWorker(_Worker):
             self.rounds += 1
             if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
                 raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
+            if self.rounds == self.bench.get("draft_hang_at"):   # tests: a drafter that hangs without dying
+                time.sleep(3600)
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
                 ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
