@@ -22,7 +22,9 @@
 #   STAGE=9: psd's m = 16 sweep and sd at k = 2, 4, 5 in the same call (the psd/sd ratio from one call), then the
 #            real-acceptance rows.
 #   STAGE=10: online only (no closed runs): psd and sd_split at 30/60/90 % of 51.9 req/s, 50 s each, same call.
-#   STAGE=11: ar_dp2 (closed, online at the same rates), then the alpha = 0.6 rows at m = 16 in what time is left.
+#   STAGE=11: ar_dp2 (closed, online at the same rates, 50 s each), then sd and ar at m = 64 with batches 64 and 128
+#            (128: psd's requests in flight), two at a time, one per GPU.
+#   STAGE=12: the alpha = 0.6 rows at m = 16: psd's sweep and sd at k = 2, 4, 5.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -117,16 +119,22 @@ elif [ "$STAGE" = 10 ]; then
   say "online psd, sd_split rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/online.log" | tail -12
   rm -f "$OUT/online/psd_vs_sd.png" "$OUT/online/psd_vs_sd.md"
 elif [ "$STAGE" = 11 ]; then
-  timeout 300 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --capacity 51.911 --online-s 50 \
-    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 290 \
+  timeout 290 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --capacity 51.911 --online-s 50 \
+    --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 280 \
     --out "$OUT/ar_dp2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/ar_dp2.log"
   say "ar_dp2 rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/ar_dp2.log" | tail -8
   rm -f "$OUT/ar_dp2/psd_vs_sd.png" "$OUT/ar_dp2/psd_vs_sd.md"
-  l=$(left 570)
-  timeout "$l" python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent \
-    --ms 16 --alphas 0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 )) --out "$OUT/a06" 2>&1 | tr '\r' '\n' \
+  l=$(left 560)
+  timeout "$l" python -m bench.psd_vs_sd --part 1 --part1-modes sd,ar --sd-ks 3 --batch-mults 1,2 --prior /nonexistent \
+    --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s $(( l - 12 )) --out "$OUT/b2m" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/b2m.log"
+  say "sd, ar at b = 64, 128 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/b2m.log" | tail -8
+  rm -f "$OUT/b2m/psd_vs_sd.png" "$OUT/b2m/psd_vs_sd.md"
+elif [ "$STAGE" = 12 ]; then
+  timeout 300 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --sd-ks 2,4,5 --batch-mults 1 --prior /nonexistent \
+    --ms 16 --alphas 0.6 --k-max 5 --temperature 0 --budget-s 285 --out "$OUT/a06" 2>&1 | tr '\r' '\n' \
     | grep -v 'it/s\]' > "$OUT/a06.log"
-  say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -12
+  say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -10
   rm -f "$OUT/a06/psd_vs_sd.png" "$OUT/a06/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
