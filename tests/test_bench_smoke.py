@@ -110,3 +110,20 @@ def test_part2_real_rows_alone_run_nothing_else(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pq.read_table(tmp_path / "psd_vs_sd.parquet").to_pylist()
     assert [(r["mode"], r["acceptance"], r["status"]) for r in rows] == [("sd", "real", "ok")]
+
+
+def test_steady_stats_of_a_psd_run_that_stayed_sequential():
+    """psd below 2 x max_batch runs sd_split's schedule (psd_low_load=seq): its steady-state columns come from
+    those sequential steps, with sd_split's critical path (draft + verify), not from the split steps it never
+    ran; a run that mostly split is measured on its split steps (critical path max(draft, verify))."""
+    from bench.psd_vs_sd import steady_stats
+    from minedraft_ray.runtime.manager import StepRecord
+
+    def steps(regime, n):
+        return [StepRecord(regime=regime, sizes=(4, 0), verified=4, drafted=8, t_draft_ms=3.0, t_verify_ms=6.0,
+                           step_ms=9.5) for _ in range(n)]
+    seq = steady_stats([steps("seq", 40) + steps("psd", 2)], "psd")
+    assert seq["steady_steps"] == 38 and seq["seq_share"] == pytest.approx(40 / 42)
+    assert seq["ray_overhead_ms"] == pytest.approx(0.5) and seq["verifier_busy"] == pytest.approx(6 / 9.5)
+    split = steady_stats([steps("psd", 40) + steps("seq", 2)], "psd")
+    assert split["steady_steps"] == 38 and split["ray_overhead_ms"] == pytest.approx(3.5)
