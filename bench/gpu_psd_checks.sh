@@ -131,8 +131,9 @@ elif [ "$STAGE" = 11 ]; then
   say "sd, ar at b = 64, 128 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/b2m.log" | tail -8
   rm -f "$OUT/b2m/psd_vs_sd.png" "$OUT/b2m/psd_vs_sd.md"
 elif [ "$STAGE" = 12 ]; then
-  timeout 300 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --sd-ks 2,4,5 --batch-mults 1 --prior /nonexistent \
-    --ms 16 --alphas 0.6 --k-max 5 --temperature 0 --budget-s 285 --out "$OUT/a06" 2>&1 | tr '\r' '\n' \
+  b=${BUDGET:-285}   # what the session's device time leaves
+  timeout $(( b + 15 )) python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --sd-ks 2,4,5 --batch-mults 1 \
+    --prior /nonexistent --ms 16 --alphas 0.6 --k-max 5 --temperature 0 --budget-s $b --out "$OUT/a06" 2>&1 | tr '\r' '\n' \
     | grep -v 'it/s\]' > "$OUT/a06.log"
   say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -10
   rm -f "$OUT/a06/psd_vs_sd.png" "$OUT/a06/psd_vs_sd.md"
