@@ -527,19 +527,29 @@ class Budget:
 
 
 # ---- results ------------------------------------------------------------------------------------
+def _config(row: dict) -> tuple:
+    return tuple(row.get(c) for c in ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load",
+                                      "acceptance"))
+
+
 class Results:
     def __init__(self, out_dir: Path, priors: list[Path], parts: set[int], context: dict, resume: bool = False):
         self.out_dir, self.context = out_dir, context
         self.rows: list[dict] = []
+        self.earlier: list[dict] = []   # prior rows of the parts run again: not written again, but looked up
         seen = set()
         for path in priors:
             if path.is_file() and path.resolve() not in seen:
                 seen.add(path.resolve())
                 import pyarrow.parquet as pq
 
-                self.rows += [r for r in pq.read_table(path).to_pylist()
-                              if (r.get("part") not in parts or (resume and r.get("status") == "ok"))
-                              and r.get("device") == context["device"]]
+                for r in pq.read_table(path).to_pylist():
+                    if r.get("device") != context["device"]:
+                        continue
+                    if r.get("part") not in parts or (resume and r.get("status") == "ok"):
+                        self.rows.append(r)
+                    elif r.get("status") == "ok":
+                        self.earlier.append(r)
         self.prior_count = len(self.rows)
 
     def add(self, row: dict) -> dict:
@@ -548,12 +558,22 @@ class Results:
         self.save()
         return row
 
-    def find(self, **where) -> list[dict]:
-        return [r for r in self.rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in where.items())]
+    def find(self, earlier: bool = False, **where) -> list[dict]:
+        """Rows of this run and the kept prior ones; with earlier=True also the prior rows of the parts run
+        again (e.g. part 2's closed psd row, for the arrival rates of a part 2 that runs only online), where
+        this run has no row of the same configuration."""
+        def match(rows):
+            return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in where.items())]
+        rows = match(self.rows)
+        if earlier:
+            have = {_config(r) for r in rows}
+            rows += [r for r in match(self.earlier) if _config(r) not in have]
+        return rows
 
     def best_k(self, mode: str, m: int, alpha_group: float | None, default: int) -> int:
         """k of the highest closed-workload throughput of `mode` at batch m (one replica), else `default`."""
-        rows = self.find(mode=mode, m=m, batch=m, replicas=1, workload="closed", alpha_group=alpha_group)
+        rows = self.find(mode=mode, m=m, batch=m, replicas=1, workload="closed", alpha_group=alpha_group,
+                         earlier=True)
         return max(rows, key=lambda r: r["tokens_per_s"])["k"] if rows else default
 
     def save(self) -> None:
@@ -797,8 +817,7 @@ class Bench:
 
         # psd's closed run, also the capacity the arrival rates are relative to: not for the real rows alone, nor
         # for baselines whose rates are given (--capacity) or follow from an earlier psd row
-        closed_psd = [r for r in res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed")
-                      if r.get("status") == "ok"]
+        closed_psd = res.find(mode="psd", m=m, batch=m, k=k_psd, alpha_group=a, workload="closed", earlier=True)
         if (psd in online and not args.online_only) or (online and not args.capacity and not closed_psd):
             closed_psd = [r for r in self.closed([psd], m, [waves]) if r.get("status") == "ok"] + closed_psd
         capacity = closed_psd[0]["n_requests"] / closed_psd[0]["run_s"] if closed_psd else None

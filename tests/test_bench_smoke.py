@@ -127,3 +127,24 @@ def test_steady_stats_of_a_psd_run_that_stayed_sequential():
     assert seq["ray_overhead_ms"] == pytest.approx(0.5) and seq["verifier_busy"] == pytest.approx(6 / 9.5)
     split = steady_stats([steps("psd", 40) + steps("seq", 2)], "psd")
     assert split["steady_steps"] == 38 and split["ray_overhead_ms"] == pytest.approx(3.5)
+
+
+def test_part2_looks_up_earlier_part2_rows_without_writing_them_again(tmp_path):
+    """A part 2 that runs only online (or only a baseline) takes psd's k and the arrival rates from the earlier
+    part-2 closed row, where psd's best k was measured, not just from part 1's rows; those rows are not written
+    again. A row of this run replaces an earlier one of the same configuration."""
+    import pyarrow as pa
+
+    from bench.psd_vs_sd import Results
+
+    def row(part, k, tps, **extra):
+        return {"part": part, "mode": "psd", "m": 64, "batch": 64, "replicas": 1, "workload": "closed", "k": k,
+                "alpha_group": 0.8, "tokens_per_s": tps, "status": "ok", "device": "gpu", **extra}
+    prior = tmp_path / "prior.parquet"
+    pq.write_table(pa.Table.from_pylist([row(1, 1, 8000.0), row(1, 2, 9000.0), row(2, 3, 9260.0)]), prior)
+    results = Results(tmp_path / "out", [prior], {2}, {"device": "gpu"})
+    assert results.best_k("psd", 64, 0.8, default=4) == 3
+    assert [r["k"] for r in results.rows] == [1, 2]   # part 1 kept; the part-2 row is only looked up
+    assert results.find(mode="psd", k=3) == [] and results.find(mode="psd", k=3, earlier=True)[0]["tokens_per_s"] == 9260
+    results.rows.append(row(2, 3, 8900.0))   # this run's row of a configuration replaces the earlier one
+    assert results.best_k("psd", 64, 0.8, default=4) == 2
