@@ -726,6 +726,9 @@ class Bench:
         (the one the targets need, so it runs early), then the rest upwards to the first k >= k_min whose
         drafting outlasts its verifying, or k_max."""
         tried = {r["k"] for r in self._psd_rows(m, a, ok=False)}
+        if self.args.psd_ks:  # an explicit sweep (e.g. the k values an earlier run did not reach)
+            k = next((k for k in map(int, self.args.psd_ks.split(",")) if k not in tried), None)
+            return None if k is None else Spec("psd", m, k, a)
         ok = {r["k"]: r for r in self._psd_rows(m, a, ok=True) if r.get("t_draft_ms") and r.get("t_verify_ms")}
         order = [1, 2] + ([crossover_k(ok, self.setup.k_max)] if len(ok) >= 2 else [])
         crossed = [k for k, r in ok.items() if k >= self.setup.k_min and r["t_draft_ms"] > r["t_verify_ms"]]
@@ -1076,6 +1079,8 @@ def main(argv=None) -> int:
                    "psd's in this run)")
     p.add_argument("--online-only", action="store_true",
                    help="part 2: the online runs alone, at the arrival rates --capacity gives (no closed runs)")
+    p.add_argument("--loads", default=None, help="part 2: the online loads, as fractions of the closed-loop "
+                   "capacity (default: 0.3,0.6,0.9)")
     p.add_argument("--online-s", type=float, default=None,
                    help="part 2: seconds of arrivals per load (default: what the budget allows, 20-60)")
     p.add_argument("--no-pairs", action="store_true", help="run single-GPU configurations one at a time")
@@ -1083,6 +1088,8 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default="64,16", help="per-verify batches m to run, in priority order")
     p.add_argument("--alphas", default="0.8,0.6", help="synthetic acceptance rates, in priority order")
     p.add_argument("--k-max", type=int, default=8, help="largest k of the sweeps")
+    p.add_argument("--psd-ks", default=None, help="psd's k sweep, in this order (default: 1, 2, the predicted "
+                   "balance, then upwards until drafting outlasts verifying)")
     p.add_argument("--sd-ks", default=None, help="sd's k sweep (default: the k values psd ran)")
     p.add_argument("--resume", action="store_true",
                    help="keep the finished rows of the same part from --prior and run only what is missing")
@@ -1103,6 +1110,8 @@ def main(argv=None) -> int:
     if args.verifier_overlap != "auto":
         setup.engine["verifier_overlap"] = args.verifier_overlap == "on"
     setup.engine["psd_high_load"] = args.psd_high_load
+    if args.loads:
+        setup.loads = tuple(float(x) for x in args.loads.split(","))
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     priors = [Path(x) for x in args.prior] if args.prior else [out / f"{NAME}.parquet",
                                                                Path("bench/results") / f"{NAME}.parquet"]

@@ -82,11 +82,12 @@ def test_online_and_real(smoke):
 
 def test_part2_subset_at_given_rates_through_the_collective_channel(tmp_path):
     """--part2-modes psd,real: psd alone and the real-acceptance rows; --capacity: the arrival rates an earlier run's
-    baselines met (loads x capacity); --online-only: psd's online runs without its closed run; every row through
-    the collective channel."""
+    baselines met (loads x capacity); --loads: which of them; --online-only: psd's online runs without its closed
+    run; every row through the collective channel."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "bench.psd_vs_sd", "--smoke", "--part", "2", "--part2-modes", "psd,real",
-                           "--capacity", "3", "--online-only", "--online-s", "1", "--transport", "collective",
+                           "--capacity", "3", "--online-only", "--loads", "0.3,0.9", "--online-s", "1",
+                           "--transport", "collective",
                            "--out", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -97,7 +98,7 @@ def test_part2_subset_at_given_rates_through_the_collective_channel(tmp_path):
     rows = [r for r in rows if r["acceptance"] != "real"]
     assert {(r["mode"], r["workload"]) for r in rows} == {("psd", "online")}
     online = sorted(find(rows, workload="online"), key=lambda r: r["load"])
-    assert [r["rate_rps"] for r in online] == pytest.approx([0.9, 1.8, 2.7])
+    assert [r["rate_rps"] for r in online] == pytest.approx([0.9, 2.7])   # --loads 0.3,0.9 of 3 req/s
     assert all(r["duration_s"] == 1 and r["completed"] == r["n_requests"] > 0 for r in online)
 
 
@@ -148,3 +149,21 @@ def test_part2_looks_up_earlier_part2_rows_without_writing_them_again(tmp_path):
     assert results.find(mode="psd", k=3) == [] and results.find(mode="psd", k=3, earlier=True)[0]["tokens_per_s"] == 9260
     results.rows.append(row(2, 3, 8900.0))   # this run's row of a configuration replaces the earlier one
     assert results.best_k("psd", 64, 0.8, default=4) == 2
+
+
+def test_psd_ks_gives_psds_sweep_in_order(tmp_path):
+    """--psd-ks 4,5: psd's part-1 sweep runs exactly those k, in that order, then stops (the k an earlier run
+    did not reach, without k = 1, 2 and the predicted balance again)."""
+    import argparse
+
+    from bench.psd_vs_sd import Bench, Results
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(psd_ks="4,5")
+    bench.results = Results(tmp_path, [], {1}, {"device": "gpu"})
+    first = bench._psd_next(64, 0.8)
+    bench.results.rows.append({"part": 1, "mode": "psd", "m": 64, "batch": 64, "alpha_group": 0.8,
+                               "workload": "closed", "k": first.k, "status": "ok"})
+    second = bench._psd_next(64, 0.8)
+    bench.results.rows.append({**bench.results.rows[-1], "k": second.k})
+    assert (first.k, second.k, bench._psd_next(64, 0.8)) == (4, 5, None)
