@@ -4,8 +4,11 @@ tensor, a numpy array or nested lists) and the verifier takes them either by ref
 itself (`direct`: the drafter submits the verify, one actor-to-actor message), or over the gloo link of the
 collective draft channel (`link`: the verifier waits on it, the drafter sends a torch tensor). Measured: the drafter's task
 end to the verifier's task start (wall clocks of one host), and the whole round trip seen by the driver.
+With --probs-widths, probabilistic drafting's q [rows, k, width] float32 travels with the ids too, through the
+owner (numpy) and the link: width = the vocabulary is dense q, 2 x top_k is q packed as top_k (prob, id) pairs
+(engine/rejection.py pack_draft_probs).
 
-    python -m bench.payload_hop [--rows 64] [--k 3] [--trips 400]
+    python -m bench.payload_hop [--rows 64] [--k 3] [--trips 400] [--probs-widths 128256,128 --probs-trips 20]
 
 Writes bench/results/payload_hop_{cpu,gpu}.{parquet,md} (the host does this work: no GPU is involved).
 """
@@ -38,8 +41,10 @@ class Verifier:
         self.link, port = PeerLink.listen(0, host, 30.0)
         return host, port
 
-    def verify_over_link(self, rows: int, k: int, tag: int) -> tuple[int, float]:
-        ids = self.link.recv((rows, k), torch.int64, tag)
+    def verify_over_link(self, rows: int, k: int, tag: int, width: int = 0) -> tuple[int, float]:
+        ids = self.link.recv((rows, k), torch.int64, 2 * tag)
+        if width:
+            self.link.recv((rows, k, width), torch.float32, 2 * tag + 1)
         return len(ids), time.time()   # the drafts' arrival
 
 
@@ -48,17 +53,21 @@ class Drafter:
     def __init__(self, verifier=None):
         self.verifier = verifier
 
-    def draft(self, rows: int, k: int, container: str):
-        drafts = {"ids": CONTAINERS[container](torch.randint(0, 128_000, (rows, k))), "probs": None}
+    def draft(self, rows: int, k: int, container: str, width: int = 0):
+        drafts = {"ids": CONTAINERS[container](torch.randint(0, 128_000, (rows, k))),
+                  "probs": CONTAINERS[container](torch.rand(rows, k, width)) if width else None}
         return drafts, time.time()
 
     def join_link(self, host: str, port: int) -> None:
         self.link = PeerLink.join(0, host, port, 30.0)
 
-    def draft_over_link(self, rows: int, k: int, tag: int) -> float:
+    def draft_over_link(self, rows: int, k: int, tag: int, width: int = 0) -> float:
         ids = torch.randint(0, 128_000, (rows, k))
+        probs = torch.rand(rows, k, width) if width else None
         end = time.time()
-        self.link.send(ids, tag)
+        self.link.send(ids, 2 * tag)
+        if width:
+            self.link.send(probs, 2 * tag + 1)
         return end
 
     def draft_and_send(self, rows: int, k: int, container: str):
@@ -67,17 +76,17 @@ class Drafter:
         return self.verifier.verify.remote(drafts), end
 
 
-def trip(drafter, verifier, route: str, rows: int, k: int, container: str) -> tuple[float, float]:
+def trip(drafter, verifier, route: str, rows: int, k: int, container: str, width: int = 0) -> tuple[float, float]:
     """-> (drafter end -> verifier start, driver round trip), in ms."""
     t0 = time.perf_counter()
     if route == "link":   # the verify waits on the link first, as a verify queued behind another does
         tag = next(LINK_TAGS)
-        verify_ref = verifier.verify_over_link.remote(rows, k, tag)
+        verify_ref = verifier.verify_over_link.remote(rows, k, tag, width)
         time.sleep(0.002)
-        end = ray.get(drafter.draft_over_link.remote(rows, k, tag))
+        end = ray.get(drafter.draft_over_link.remote(rows, k, tag, width))
         verify = ray.get(verify_ref)
     elif route == "owner":
-        drafts, end_ref = drafter.draft.options(num_returns=2).remote(rows, k, container)
+        drafts, end_ref = drafter.draft.options(num_returns=2).remote(rows, k, container, width)
         verify = ray.get(verifier.verify.remote(drafts))
         end = ray.get(end_ref)
     else:
@@ -93,6 +102,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--trips", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3, help="passes over the configurations (interleaved)")
+    ap.add_argument("--probs-widths", default="", help="q's widths to send with the ids (owner/numpy and link), "
+                    "e.g. 128256,128: dense at Llama-3's vocabulary, and packed top-64 pairs")
+    ap.add_argument("--probs-trips", type=int, default=20, help="trips per round with q (dense q is ~100 MB)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -101,25 +113,30 @@ def main() -> None:
     drafter = Drafter.remote(verifier)
     host, port = ray.get(verifier.open_link.remote())
     ray.get(drafter.join_link.remote(host, port))
-    configs = [(route, c) for route in ("owner", "direct") for c in CONTAINERS] + [("link", "torch")]
+    widths = [int(w) for w in args.probs_widths.split(",") if w]
+    configs = [(route, c, 0) for route in ("owner", "direct") for c in CONTAINERS] + [("link", "torch", 0)]
+    configs += [(route, c, w) for w in widths for route, c in (("owner", "numpy"), ("link", "torch"))]
     hops, rounds = {c: [] for c in configs}, {c: [] for c in configs}
     for _ in range(args.rounds):
-        for route, container in configs:
-            for i in range(args.trips):
-                hop, rt = trip(drafter, verifier, route, args.rows, args.k, container)
-                if i >= args.trips // 10:   # the first tenth warms the path
-                    hops[route, container].append(hop)
-                    rounds[route, container].append(rt)
+        for config in configs:
+            trips = args.probs_trips if config[2] else args.trips
+            for i in range(trips):
+                hop, rt = trip(drafter, verifier, config[0], args.rows, args.k, config[1], config[2])
+                if i >= trips // 10:   # the first tenth warms the path
+                    hops[config].append(hop)
+                    rounds[config].append(rt)
     gpu = torch.cuda.is_available()
     device = f"{os.cpu_count()}-core host of {torch.cuda.get_device_name(0)}" if gpu else f"cpu ({os.cpu_count()} cores)"
-    rows = [{"route": route, "container": c, "rows": args.rows, "k": args.k, "trips": len(hops[route, c]),
-             "hop_ms": statistics.median(hops[route, c]), "hop_p90_ms": statistics.quantiles(hops[route, c], n=10)[-1],
-             "round_trip_ms": statistics.median(rounds[route, c]), "git_sha": git_sha(), "device": device}
-            for route, c in configs]
+    rows = [{"route": route, "container": c, "probs_width": w, "rows": args.rows, "k": args.k,
+             "trips": len(hops[route, c, w]), "hop_ms": statistics.median(hops[route, c, w]),
+             "hop_p90_ms": statistics.quantiles(hops[route, c, w], n=10)[-1],
+             "round_trip_ms": statistics.median(rounds[route, c, w]), "git_sha": git_sha(), "device": device}
+            for route, c, w in configs]
     for r in rows:
         print(r, flush=True)
     write_results(rows, args.out, "payload_hop_" + ("gpu" if gpu else "cpu"),
-                  ["route", "container", "rows", "k", "trips", "hop_ms", "hop_p90_ms", "round_trip_ms", "git_sha", "device"],
+                  ["route", "container", "probs_width", "rows", "k", "trips", "hop_ms", "hop_p90_ms", "round_trip_ms",
+                   "git_sha", "device"],
                   "A draft's trip to the verifier", command_line("bench.payload_hop"), device,
                   ["hop_ms: median from the end of the drafter's task (link: its send) to the start of the verifier's "
                    "(link: its receive's end), one host's clock",
@@ -127,7 +144,9 @@ def main() -> None:
                    "it includes a 2 ms pause before the send",
                    "owner: the verify takes the drafts by reference from the task's submitter (the object_store "
                    "channel); direct: the drafter submits the verify itself; link: the collective channel's gloo link, "
-                   "the verify already waiting on it"])
+                   "the verify already waiting on it",
+                   "probs_width: q's last dimension when probabilistic drafting's q travels with the ids (0: ids "
+                   "only); the vocabulary is dense q, 2 x top_k the packed top_k (prob, id) pairs"])
     ray.shutdown()
 
 

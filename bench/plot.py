@@ -160,7 +160,8 @@ PLOTS = {
     "transport_overhead_cpu": bar_plot(lambda r: f"{r['transport']}, overlap {'on' if r['verifier_overlap'] else 'off'}",
                                        "step_ms", "ms per psd step (wall)",
                                        "psd step time by draft channel (CPU, 2 cores)"),
-    **{f"payload_hop_{where}": bar_plot(lambda r: f"{r['route']} / {r['container']}", "hop_ms",
+    **{f"payload_hop_{where}": bar_plot(lambda r: f"{r['route']} / {r['container']}" + (f" / q {r['probs_width']}"
+                                                                    if r.get("probs_width") else ""), "hop_ms",
                                         "ms, drafter end -> verifier start", f"a draft's hop to the verifier ({where})")
        for where in ("cpu", "gpu")},
 }

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from minedraft_ray.engine import rejection
-from minedraft_ray.engine.rejection import draft_sample, rejection_sample
+from minedraft_ray.engine.rejection import draft_sample, pack_draft_probs, rejection_sample, unpack_draft_probs
 from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams, process_logits, sample
 from tests.stats import chi_square_pvalue
 
@@ -110,6 +110,29 @@ def test_draft_equal_to_target_accepts_everything(params):
     assert (n == k + 1).all()
     assert torch.equal(out[:, :k], draft_ids)
     assert torch.equal(out[:, k], sample(logits[:, k], b, pos + k))  # the bonus is a plain sample
+
+
+def test_draft_top_k_cuts_q_to_exactly_k_tokens_and_travels_packed_exactly():
+    """draft_sample(top_k): q is the drafter's distribution cut to exactly top_k tokens (ties included) and
+    renormalised, the drafts come from that q, and pack/unpack (what crosses between GPUs) gives it back bit for
+    bit: dense rows, one-hot (greedy) rows and rows with tied probabilities alike."""
+    torch.manual_seed(3)
+    B, V, top_k = 64, 50, 4
+    logits = torch.randn(B, V)
+    logits[:8, :10] = 5.0                                             # 10 tied tokens on top: more than top_k
+    params = [SamplingParams(temperature=0.9)] * (B - 4) + [GREEDY] * 4
+    b, pos = build(params), torch.randint(0, 100, (B,))
+    ids, q = draft_sample(logits, b, pos, top_k)
+    assert ((q > 0).sum(-1) <= top_k).all() and ((q > 0).sum(-1)[:B - 4] == top_k).all()
+    assert torch.allclose(q.sum(-1), torch.ones(B)) and (q.gather(-1, ids[:, None]) > 0).all()
+    full_q = process_logits(logits, b)
+    kept = q[:B - 4] > 0                                               # the cut keeps the largest probabilities
+    assert torch.allclose(q[:B - 4][kept], (full_q[:B - 4] / (full_q[:B - 4] * kept).sum(-1, keepdim=True))[kept])
+    packed = pack_draft_probs(q.view(B, 1, V), top_k)
+    assert packed.shape == (B, 1, 2 * top_k) and packed.dtype == torch.float32
+    assert torch.equal(unpack_draft_probs(packed, V), q.view(B, 1, V))
+    dense = draft_sample(logits, b, pos)[1].view(B, 1, V)              # top_k = 0: the vocabulary, unpacked
+    assert torch.equal(pack_draft_probs(dense, 0), dense) and torch.equal(unpack_draft_probs(dense, V), dense)
 
 
 def test_no_drafts_equals_sample():
@@ -252,10 +275,12 @@ def emitted(params: SamplingParams, drafting: str, ragged: bool = True) -> np.nd
         draft_logits = DRAFT_LOGITS[at + window[:K]]                   # [N, K, V]
         if drafting == "greedy":
             ids, probs = draft_logits.argmax(-1), None
-        else:
-            drafts = [draft_sample(draft_logits[:, j], b, pos0 + start + j) for j in range(K)]
+        else:   # probabilistic, or cut to the drafter's top 2 of V and sent packed (as between two GPUs)
+            top_k = 2 if drafting == "probabilistic_top2" else 0
+            drafts = [draft_sample(draft_logits[:, j], b, pos0 + start + j, top_k) for j in range(K)]
             ids = torch.stack([d[0] for d in drafts], 1)
-            probs = torch.stack([d[1] for d in drafts], 1).masked_fill(pad.unsqueeze(-1), float("nan"))
+            probs = unpack_draft_probs(pack_draft_probs(torch.stack([d[1] for d in drafts], 1), top_k), V)
+            probs = probs.masked_fill(pad.unsqueeze(-1), float("nan"))
         out, n = rejection_sample(TARGET_LOGITS[at + window], ids.masked_fill(pad, -1),
                                   num_drafts, b, pos0 + start, probs)
         live = start < K + 1
@@ -274,7 +299,7 @@ def pvalues(params, drafting, ragged=True):
     return [chi_square_pvalue(np.bincount(t[:, 0], minlength=V), p[0])] + [pair(i) for i in range(K)]
 
 
-@pytest.mark.parametrize("drafting", ["greedy", "probabilistic"])
+@pytest.mark.parametrize("drafting", ["greedy", "probabilistic", "probabilistic_top2"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_emitted_tokens_follow_the_target_distribution(case, drafting):
     # the tokens are independent with marginals p_t (the target logits ignore the prefix): test the first

@@ -594,8 +594,8 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
         full = [(slot, 0, seq, (), False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
         ref, _ = scratch.draft(0, full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)])
         assert ids["ids"] == ref["ids"]
-        if draft_temperature:
-            assert np.allclose(ids["probs"], ref["probs"], atol=1e-6)
+        if draft_temperature:   # q travels packed: the drafter's top 64 (prob, id) pairs of the 512-token vocabulary
+            assert ids["probs"].shape == (3, k, 2 * 64) and np.allclose(ids["probs"], ref["probs"], atol=1e-6)
         else:
             assert ids["probs"] is None and ref["probs"] is None
         return ids["ids"]

@@ -73,7 +73,7 @@ class Engine:
     def __init__(self, target: str | Path, draft: str | Path | None = None, mode: str = "sd", k: int = 4,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, max_batch: int = 8,
                  max_len: int | None = None, num_slots: int | None = None, draft_temperature: float = 0.0,
-                 cuda_graphs: bool = True, memory_fraction: float = 0.85):
+                 draft_top_k: int = 64, cuda_graphs: bool = True, memory_fraction: float = 0.85):
         if mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {ENGINE_MODES}, got {mode!r}")
         if mode == "sd" and draft is None:
@@ -101,7 +101,7 @@ class Engine:
         self.verifier = Verifier(ModelRunner(target_model, self.device, num_slots, max_len, max_batch,
                                              cuda_graphs, vocab_limit))
         self.drafter = (Drafter(ModelRunner(draft_model, self.device, num_slots, max_len, max_batch, cuda_graphs,
-                                            vocab_limit), draft_temperature) if draft_model is not None else None)
+                                            vocab_limit), draft_temperature, draft_top_k) if draft_model is not None else None)
 
     def _fit_slots(self, requested, models, memory_fraction) -> int:
         if self.device.type != "cuda":

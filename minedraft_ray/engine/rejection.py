@@ -17,14 +17,45 @@ from .sampling import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESIDUAL, PURPOSE_
                        exponential_race, noise_uniform, process_logits, sample)
 
 
-def draft_sample(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor):
+def draft_sample(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, top_k: int = 0):
     """Probabilistic drafting: draft_logits [B, V], positions [B] (output position of the drafted token).
     Returns (ids [B] int64, probs [B, V] float32), probs being exactly the q the ids were drawn from, as
     rejection_sample needs it. Greedy rows get argmax ids and one-hot probs. (Greedy drafting is plain argmax
-    with draft_probs=None in rejection_sample.)"""
+    with draft_probs=None in rejection_sample.)
+
+    top_k > 0: q is the drafter's distribution cut to its top_k tokens (exactly top_k entries, ties or not) and
+    renormalised, so q travels between GPUs as top_k (prob, id) pairs (pack_draft_probs). Any q keeps the
+    output lossless; a cut one only accepts a little less where the drafter's tail mass is large."""
     probs = process_logits(draft_logits, batch)                                   # [B, V]
+    if 0 < top_k < probs.shape[-1]:
+        vals, idx = probs.topk(top_k, -1)                                         # [B, top_k]
+        probs = torch.zeros_like(probs).scatter_(-1, idx, vals / vals.sum(-1, keepdim=True))
     u = noise_uniform(batch.seed, positions.view(-1, 1), PURPOSE_DRAFT, draft_logits.shape[-1])[:, 0]
     return exponential_race(probs, u), probs
+
+
+def draft_probs_width(vocab: int, top_k: int) -> int:
+    """Last dimension of packed draft probabilities: top_k (prob, id) pairs, or the dense vocabulary."""
+    return 2 * top_k if 0 < top_k < vocab else vocab
+
+
+def pack_draft_probs(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """q [N, k, V] float32 with at most top_k non-zero entries per row (draft_sample's) -> [N, k, 2 top_k]:
+    the top_k probabilities, then their ids as float32 (exact below 2^24, far above any vocabulary). Dense
+    (top_k = 0 or >= V): q itself. At 8B/1B shapes (V = 128256), N = 64, k = 3: 147 KB instead of 98 MB."""
+    if draft_probs_width(probs.shape[-1], top_k) == probs.shape[-1]:
+        return probs
+    vals, idx = probs.topk(top_k, -1)                                             # [N, k, top_k]
+    return torch.cat([vals, idx.float()], -1)
+
+
+def unpack_draft_probs(packed: torch.Tensor, vocab: int) -> torch.Tensor:
+    """pack_draft_probs' output -> q [N, k, V] float32, exactly the q the drafts were drawn from."""
+    if packed.shape[-1] == vocab:
+        return packed
+    top_k = packed.shape[-1] // 2
+    dense = torch.zeros(*packed.shape[:-1], vocab, dtype=torch.float32, device=packed.device)
+    return dense.scatter_(-1, packed[..., top_k:].long(), packed[..., :top_k])
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,

@@ -34,9 +34,9 @@ class DraftRow:
 
 
 class Drafter:
-    def __init__(self, runner: ModelRunner, draft_temperature: float = 0.0):
+    def __init__(self, runner: ModelRunner, draft_temperature: float = 0.0, draft_top_k: int = 0):
         self.runner, self.device = runner, runner.device
-        self.draft_temperature = draft_temperature
+        self.draft_temperature, self.draft_top_k = draft_temperature, draft_top_k
 
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
         self.runner.prefill(slots, prompts)
@@ -86,7 +86,7 @@ class Drafter:
         logits = runner.step(slots, last2)[:, -1]                        # [B, V]
         for j in range(k):
             if probabilistic:
-                tok, p = draft_sample(logits, draft_batch, positions + j)
+                tok, p = draft_sample(logits, draft_batch, positions + j, self.draft_top_k)
                 probs.append(p)
             else:
                 tok = logits.argmax(-1)                                 # [B]

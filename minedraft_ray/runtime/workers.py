@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from ..engine.engine import default_device
 from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
+from ..engine.rejection import draft_probs_width, pack_draft_probs, unpack_draft_probs
 from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
@@ -95,8 +96,8 @@ class LaunchOrder:
 
 @dataclass(frozen=True)
 class LinkRound:
-    """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, V] float32
-    under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
+    """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, W] float32,
+    packed by pack_draft_probs, under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
     (and 2 * key + 1)."""
     key: int
     rows: int
@@ -132,6 +133,8 @@ class _Worker:
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
+        # draft probabilities as they travel (pack_draft_probs): top-k pairs, or the dense vocabulary
+        self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
         self.link: PeerLink | None = None   # the collective draft channel's, one per drafter generation
         self.order: LaunchOrder | None = None   # a threaded worker's: tasks launch device work in turn
 
@@ -240,7 +243,7 @@ class VerifierWorker(_Worker):
             if link is not None:
                 link.drain((round_.rows, round_.k), torch.int64, 2 * round_.key)
                 if self.config.draft_temperature > 0:
-                    link.drain((round_.rows, round_.k, self.vocab_limit), torch.float32, 2 * round_.key + 1)
+                    link.drain((round_.rows, round_.k, self._probs_width), torch.float32, 2 * round_.key + 1)
         except Exception:  # noqa: BLE001 - the drafter died: its round will not come
             pass
 
@@ -253,8 +256,8 @@ class VerifierWorker(_Worker):
             return None
         try:
             ids = link.recv((drafts.rows, drafts.k), torch.int64, 2 * drafts.key)            # [N, k]
-            probs = link.recv((drafts.rows, drafts.k, self.vocab_limit), torch.float32, 2 * drafts.key + 1) \
-                if self.config.draft_temperature > 0 else None                              # [N, k, V]
+            probs = link.recv((drafts.rows, drafts.k, self._probs_width), torch.float32, 2 * drafts.key + 1) \
+                if self.config.draft_temperature > 0 else None                              # [N, k, W] packed
         except Exception as e:  # noqa: BLE001 - the drafter died or hung: verify without its drafts
             log.warning("round %d: no drafts over the link (%s); verifying without", drafts.key, e)
             return None
@@ -310,7 +313,7 @@ class VerifierWorker(_Worker):
                tokens_to: LinkTokens | None = None):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
-        drafts: {"ids": [N, k], "probs": [N, k, V] | None} from the draft channel (or the key it comes under);
+        drafts: {"ids": [N, k], "probs": [N, k, W] packed | None} from the draft channel (or the key it comes under);
         draft_index[b] is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
         tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
         -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
@@ -343,8 +346,8 @@ class VerifierWorker(_Worker):
         ids = to_device(drafts["ids"], self.device)[index.clamp(min=0)]                       # [B, k]
         num_drafts = torch.where(has, ids.shape[1], 0)
         probs = drafts.get("probs")
-        if probs is not None:
-            probs = to_device(probs, self.device)[index.clamp(min=0)]                         # [B, k, V]
+        if probs is not None:   # packed [N, k, W] -> the rows' q [B, k, V]
+            probs = unpack_draft_probs(to_device(probs, self.device)[index.clamp(min=0)], self.vocab_limit)
         return ids, num_drafts, probs
 
 
@@ -359,7 +362,8 @@ class DrafterWorker(_Worker):
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
-        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
+        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
+                               self.config.draft_top_k)
         self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
         self.rounds = 0   # draft rounds run
 
@@ -372,7 +376,8 @@ class DrafterWorker(_Worker):
         return timer.ms
 
     def draft(self, *args):
-        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, V] | None}, device ms)."""
+        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (pack_draft_probs) | None},
+        device ms)."""
         ids, probs, ms = self._draft(*args)
         # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
         # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/logs/payload_hop_cpu_before_link.md)
@@ -385,7 +390,8 @@ class DrafterWorker(_Worker):
         `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already
         holds all of that sequence but its last two tokens, so only those are fed.
         positions: output position of each row's first draft before the taken tokens.
-        -> (ids [B, k] int64, probs [B, k, V] float32 | None, both on the host; device ms)."""
+        -> (ids [B, k] int64, probs [B, k, W] float32 packed (pack_draft_probs) | None, both on the host;
+        device ms)."""
         draft_rows, error = [], None
         try:   # outside the turn: the previous round's device work runs meanwhile
             sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
@@ -412,7 +418,9 @@ class DrafterWorker(_Worker):
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
                 ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
-                ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
+                if probs is not None:   # q travels packed: top-k pairs, not the vocabulary
+                    probs = to_host_async(pack_draft_probs(probs, self.config.draft_top_k))
+                ids = to_host_async(ids)
         ms = timer.ms   # waits for the device (and the copies to the host) here, outside the turn
         return ids, probs, ms
 
@@ -459,7 +467,8 @@ class SpecWorker(VerifierWorker):
     def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
         super().__init__(config, num_slots, bench)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
-        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature)
+        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
+                               self.config.draft_top_k)
 
     def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
         self.drafter.prefill(slots, prompts)
