@@ -35,9 +35,9 @@ class EngineConfig(BaseModel):
     max_len: int = Field(2048, ge=16, description="tokens per request: prompt + output")
     num_slots: int | None = Field(None, ge=1, description="KV slots per model (default: what the mode holds)")
     draft_temperature: float = Field(0.0, ge=0.0, description="0 = greedy drafting (only ids travel)")
-    draft_top_k: int = Field(64, ge=0, description="probabilistic drafting proposes from the drafter's top-k "
-                             "tokens (renormalised; still lossless), so k (prob, id) pairs per draft cross between "
-                             "the GPUs instead of the vocabulary; 0: the whole vocabulary")
+    draft_top_k: int = Field(64, ge=0, description="probabilistic drafting proposes from the drafter's most "
+                             "likely tokens, this many (renormalised; still lossless), and only their (prob, id) "
+                             "pairs cross between the GPUs, not the vocabulary's probabilities; 0: the whole vocabulary")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
