@@ -25,7 +25,8 @@
 #   STAGE=11: ar_dp2 (closed, online at the same rates, 50 s each), then sd and ar at m = 64 with batches 64 and 128
 #            (128: psd's requests in flight), two at a time, one per GPU.
 #   STAGE=12: the alpha = 0.6 rows at m = 16: psd's sweep and sd at k = 2, 4, 5.
-#   STAGE=13: m = 64, alpha 0.8: psd and sd at k = 4, 5 (the sweep "at least to 5"), then ar_dp2 online at 90 %.
+#   STAGE=13: m = 64, alpha 0.8: psd and sd at k = 4, 5 (the sweep "at least to 5"), ar_dp2 online at 90 %, then
+#            sd and ar at b = 256 (4m) in what time is left.
 #   STAGE=14: m = 64, alpha 0.6: psd's sweep k = 1-5 and sd at the k psd ran.
 #   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 55 s per load, same call.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
@@ -141,17 +142,22 @@ elif [ "$STAGE" = 12 ]; then
   say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -10
   rm -f "$OUT/a06/psd_vs_sd.png" "$OUT/a06/psd_vs_sd.md"
 elif [ "$STAGE" = 13 ]; then
-  timeout 310 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --psd-ks 4,5 --sd-ks 4,5 --batch-mults 1 \
-    --prior /nonexistent --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 295 --out "$OUT/m64k45" 2>&1 \
+  timeout 280 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --psd-ks 4,5 --sd-ks 4,5 --batch-mults 1 \
+    --prior /nonexistent --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 265 --out "$OUT/m64k45" 2>&1 \
     | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/m64k45.log"
   say "psd, sd m=64 k=4,5 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/m64k45.log" | tail -6
   rm -f "$OUT/m64k45/psd_vs_sd.png" "$OUT/m64k45/psd_vs_sd.md"
-  l=$(left 565)
-  timeout "$l" python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --online-only --loads 0.9 --capacity 51.911 \
-    --online-s 50 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s $(( l - 12 )) \
+  timeout 130 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --online-only --loads 0.9 --capacity 51.911 \
+    --online-s 50 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 120 \
     --out "$OUT/ar_dp2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/ar_dp2.log"
   say "ar_dp2 90 % rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/ar_dp2.log" | tail -4
   rm -f "$OUT/ar_dp2/psd_vs_sd.png" "$OUT/ar_dp2/psd_vs_sd.md"
+  l=$(left 565)   # the 4m baselines (sd, ar at b = 256), after b = 64 again: two at a time, one per GPU
+  [ "$l" -gt 90 ] && timeout "$l" python -m bench.psd_vs_sd --part 1 --part1-modes sd,ar --sd-ks 3 --batch-mults 1,4 \
+    --prior /nonexistent --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s $(( l - 12 )) --out "$OUT/b4m" \
+    2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/b4m.log"
+  say "sd, ar at b = 64, 256 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/b4m.log" 2>/dev/null | tail -6
+  rm -f "$OUT/b4m/psd_vs_sd.png" "$OUT/b4m/psd_vs_sd.md"
 elif [ "$STAGE" = 14 ]; then
   timeout 555 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent \
     --ms 64 --alphas 0.6 --k-max 5 --temperature 0 --budget-s 540 --out "$OUT/a06m64" 2>&1 | tr '\r' '\n' \
