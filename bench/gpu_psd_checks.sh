@@ -142,13 +142,13 @@ elif [ "$STAGE" = 12 ]; then
   say "alpha 0.6 m=16 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/a06.log" | tail -10
   rm -f "$OUT/a06/psd_vs_sd.png" "$OUT/a06/psd_vs_sd.md"
 elif [ "$STAGE" = 13 ]; then
-  timeout 280 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --psd-ks 4,5 --sd-ks 4,5 --batch-mults 1 \
-    --prior /nonexistent --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 265 --out "$OUT/m64k45" 2>&1 \
+  timeout 265 python -m bench.psd_vs_sd --part 1 --part1-modes psd,sd --psd-ks 4,5 --sd-ks 4,5 --batch-mults 1 \
+    --prior /nonexistent --ms 64 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 250 --out "$OUT/m64k45" 2>&1 \
     | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/m64k45.log"
   say "psd, sd m=64 k=4,5 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/m64k45.log" | tail -6
   rm -f "$OUT/m64k45/psd_vs_sd.png" "$OUT/m64k45/psd_vs_sd.md"
-  timeout 130 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --online-only --loads 0.9 --capacity 51.911 \
-    --online-s 50 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 120 \
+  timeout 170 python -m bench.psd_vs_sd --part 2 --part2-modes ar_dp2 --online-only --loads 0.9 --capacity 51.911 \
+    --online-s 50 --prior bench/results/psd_vs_sd.parquet --ms 64 --alphas 0.8 --temperature 0 --budget-s 160 \
     --out "$OUT/ar_dp2" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/ar_dp2.log"
   say "ar_dp2 90 % rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/ar_dp2.log" | tail -4
   rm -f "$OUT/ar_dp2/psd_vs_sd.png" "$OUT/ar_dp2/psd_vs_sd.md"
