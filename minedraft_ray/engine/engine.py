@@ -101,7 +101,8 @@ class Engine:
         self.verifier = Verifier(ModelRunner(target_model, self.device, num_slots, max_len, max_batch,
                                              cuda_graphs, vocab_limit))
         self.drafter = (Drafter(ModelRunner(draft_model, self.device, num_slots, max_len, max_batch, cuda_graphs,
-                                            vocab_limit), draft_temperature, draft_top_k) if draft_model is not None else None)
+                                            vocab_limit), draft_temperature, draft_top_k)
+                        if draft_model is not None else None)
 
     def _fit_slots(self, requested, models, memory_fraction) -> int:
         if self.device.type != "cuda":

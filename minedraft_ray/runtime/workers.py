@@ -97,8 +97,8 @@ class LaunchOrder:
 @dataclass(frozen=True)
 class LinkRound:
     """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, W] float32,
-    packed by pack_draft_probs, under probabilistic drafting) that the drafter sends over the link of `generation` as message 2 * key
-    (and 2 * key + 1)."""
+    packed by pack_draft_probs, under probabilistic drafting) that the drafter sends over the link of
+    `generation` as message 2 * key (and 2 * key + 1)."""
     key: int
     rows: int
     k: int
