@@ -29,6 +29,7 @@
 #            sd and ar at b = 256 (4m) in what time is left.
 #   STAGE=14: m = 64, alpha 0.6: psd's sweep k = 1-5 and sd at the k psd ran.
 #   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 55 s per load, same call.
+#   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
 set -u
 : "${OUT:?}"
@@ -170,6 +171,12 @@ elif [ "$STAGE" = 15 ]; then
     --out "$OUT/online" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' > "$OUT/online.log"
   say "online psd, sd_split k=3 rc=$?"; grep -E '^\[|^skipped|^failed|^online' "$OUT/online.log" | tail -12
   rm -f "$OUT/online/psd_vs_sd.png" "$OUT/online/psd_vs_sd.md"
+elif [ "$STAGE" = 16 ]; then
+  timeout 300 python -m bench.psd_vs_sd --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 1,4 --prior /nonexistent \
+    --ms 16 --alphas 0.8 --k-max 5 --temperature 0 --budget-s 285 --out "$OUT/b4m16" 2>&1 | tr '\r' '\n' \
+    | grep -v 'it/s\]' > "$OUT/b4m16.log"
+  say "sd, ar at b = 16, 64 rc=$?"; grep -E '^\[|^skipped|^failed' "$OUT/b4m16.log" | tail -6
+  rm -f "$OUT/b4m16/psd_vs_sd.png" "$OUT/b4m16/psd_vs_sd.md"
 elif [ "$STAGE" = 3 ]; then
   : "${CAPACITY:?}"
   timeout 260 python -m bench.psd_vs_sd --part 2 --part2-modes psd --capacity "$CAPACITY" --online-s 20 \
