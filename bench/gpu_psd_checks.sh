@@ -31,6 +31,8 @@
 #   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 55 s per load, same call.
 #   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
 #   OUT=/some/dir GIT_SHA=<sha> STAGE=1 bash bench/gpu_psd_checks.sh
+# Back here: python -m bench.merge_rows <files_at>/*/psd_vs_sd.parquet --sha <sha>, then python -m bench.plot
+# bench/results/psd_vs_sd.parquet --out bench/results/psd_vs_sd.png; keep the logs in bench/results/logs/.
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}

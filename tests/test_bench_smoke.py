@@ -167,3 +167,33 @@ def test_psd_ks_gives_psds_sweep_in_order(tmp_path):
     second = bench._psd_next(64, 0.8)
     bench.results.rows.append({**bench.results.rows[-1], "k": second.k})
     assert (first.k, second.k, bench._psd_next(64, 0.8)) == (4, 5, None)
+
+
+def test_merge_rows_replaces_configurations_and_keeps_the_old_rows(tmp_path):
+    """bench.merge_rows: a device call's ok rows of its commit replace the results' rows of the same
+    configuration (alpha group and acceptance included), add new ones, and leave the rest; the replaced rows go
+    to logs/, the markdown is rewritten."""
+    import shutil
+
+    from bench.merge_rows import main as merge_main
+
+    results = tmp_path / "psd_vs_sd.parquet"
+    shutil.copy(ROOT / "bench/results/psd_vs_sd.parquet", results)
+    (tmp_path / "logs").mkdir()
+    old = pq.read_table(results).to_pylist()
+    psd16 = next(r for r in old if r["mode"] == "psd" and r["m"] == 16 and r["k"] == 4 and r["alpha_group"] == 0.8)
+    run = [{**psd16, "git_sha": "abc1234", "tokens_per_s": 9999.0},                # replaces
+           {**psd16, "git_sha": "abc1234", "k": 7, "tokens_per_s": 1.0},             # a new configuration
+           {**psd16, "git_sha": "abc1234", "alpha_group": 0.7, "tokens_per_s": 2.0},  # another alpha: new too
+           {**psd16, "git_sha": "abc1234", "k": 8, "status": "skipped"},            # not ok: left out
+           {**psd16, "git_sha": "0000000", "k": 9}]                                 # a prior row it read
+    import pyarrow as pa
+    pq.write_table(pa.Table.from_pylist(run), tmp_path / "run.parquet")
+    assert merge_main([str(tmp_path / "run.parquet"), "--sha", "abc1234", "--results", str(results)]) == 0
+    rows = pq.read_table(results).to_pylist()
+    assert len(rows) == len(old) + 2
+    mine = sorted((r["k"], r["alpha_group"], r["tokens_per_s"]) for r in rows if r["git_sha"] == "abc1234")
+    assert mine == [(4, 0.7, 2.0), (4, 0.8, 9999.0), (7, 0.8, 1.0)]
+    kept = pq.read_table(tmp_path / "logs/psd_vs_sd_replaced_by_abc1234.parquet").to_pylist()
+    assert [(r["k"], r["tokens_per_s"]) for r in kept] == [(4, psd16["tokens_per_s"])]
+    assert "9999" in (tmp_path / "psd_vs_sd.md").read_text()
