@@ -14,13 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.psd_vs_sd import report
-
-CONFIG = ("mode", "workload", "m", "batch", "k", "load", "acceptance", "alpha_group")
-
-
-def config(row: dict) -> tuple:
-    return tuple(row.get(c) for c in CONFIG)
+from bench.psd_vs_sd import report, row_config
 
 
 def merge(results: Path, runs: list[Path], sha: str, logs: Path) -> tuple[int, int]:
@@ -29,9 +23,9 @@ def merge(results: Path, runs: list[Path], sha: str, logs: Path) -> tuple[int, i
     old = table.to_pylist()
     new = [r for run in runs for r in pq.read_table(run).to_pylist()
            if r.get("status") == "ok" and r.get("git_sha") == sha]
-    fresh = {config(r) for r in new}
-    replaced = [r for r in old if config(r) in fresh]
-    rows = [r for r in old if config(r) not in fresh] + [{c: r.get(c) for c in table.schema.names} for r in new]
+    fresh = {row_config(r) for r in new}
+    replaced = [r for r in old if row_config(r) in fresh]
+    rows = [r for r in old if row_config(r) not in fresh] + [{c: r.get(c) for c in table.schema.names} for r in new]
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), results)
     if replaced:
         log = logs / f"{results.stem}_replaced_by_{sha}.parquet"

@@ -527,7 +527,8 @@ class Budget:
 
 
 # ---- results ------------------------------------------------------------------------------------
-def _config(row: dict) -> tuple:
+def row_config(row: dict) -> tuple:
+    """What a row measured: rows with equal configurations replace one another (a rerun, a merge)."""
     return tuple(row.get(c) for c in ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load",
                                       "acceptance"))
 
@@ -566,8 +567,8 @@ class Results:
             return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in where.items())]
         rows = match(self.rows)
         if earlier:
-            have = {_config(r) for r in rows}
-            rows += [r for r in match(self.earlier) if _config(r) not in have]
+            have = {row_config(r) for r in rows}
+            rows += [r for r in match(self.earlier) if row_config(r) not in have]
         return rows
 
     def best_k(self, mode: str, m: int, alpha_group: float | None, default: int) -> int:

@@ -72,13 +72,20 @@ def test_make_bundles():
         make_bundles("fast")
 
 
-@pytest.mark.parametrize("mode, transport", [("ar", "object_store"), ("sd", "object_store"),
-                                             ("sd_split", "object_store"), ("psd", "object_store"),
-                                             ("sd_split", "collective"), ("psd", "collective")])
-def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport):
-    # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked
+SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 512 tokens, sent packed
+
+
+@pytest.mark.parametrize("mode, transport, drafting", [
+    ("ar", "object_store", {}), ("sd", "object_store", {}), ("sd_split", "object_store", {}),
+    ("psd", "object_store", {}), ("sd_split", "collective", {}), ("psd", "collective", {}),
+    ("psd", "collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
+                                            if isinstance(v, dict) else None)
+def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport, drafting):
+    # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked;
+    # with probabilistic drafting the drafts (and their packed q) travel the link, and greedy output is still ar's
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}))
+              torch_threads=1, transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}),
+              **drafting)
     try:
         if mode in ("psd", "sd_split"):
             gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}

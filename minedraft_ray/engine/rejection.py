@@ -42,7 +42,7 @@ def draft_probs_width(vocab: int, top_k: int) -> int:
 def pack_draft_probs(probs: torch.Tensor, top_k: int) -> torch.Tensor:
     """q [N, k, V] float32 with at most top_k non-zero entries per row (draft_sample's) -> [N, k, 2 top_k]:
     the top_k probabilities, then their ids as float32 (exact below 2^24, far above any vocabulary). Dense
-    (top_k = 0 or >= V): q itself. At 8B/1B shapes (V = 128256), N = 64, k = 3: 147 KB instead of 98 MB."""
+    (top_k = 0 or >= V): q itself. At 8B/1B shapes (V = 128256), N = 64, k = 3: 98 KB instead of 98 MB."""
     if draft_probs_width(probs.shape[-1], top_k) == probs.shape[-1]:
         return probs
     vals, idx = probs.topk(top_k, -1)                                             # [N, k, top_k]
