@@ -17,7 +17,7 @@
 #   STAGE=13: m = 64, alpha 0.8: psd and sd at k = 4, 5 (the sweep "at least to 5"), ar_dp2 online at 90 %, then
 #            sd and ar at b = 256 (4m) in what time is left.
 #   STAGE=14: m = 64, alpha 0.6: psd's sweep k = 1-5 and sd at the k psd ran.
-#   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 55 s per load, same call.
+#   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 60 s per load (builds ~135 s), same call.
 #   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
 set -u
 : "${OUT:?}"
@@ -67,8 +67,8 @@ elif [ "$STAGE" = 14 ]; then
   psd_vs_sd a06m64 555 --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent --ms 64 --alphas 0.6 \
     --k-max 5 --temperature 0 --budget-s 540
 elif [ "$STAGE" = 15 ]; then
-  psd_vs_sd online 555 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 55 "${SYNTH[@]}" \
-    --budget-s 540
+  psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
+    --budget-s 550
 elif [ "$STAGE" = 16 ]; then
   psd_vs_sd b4m16 300 --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 1,4 --prior /nonexistent --ms 16 \
     "${SYNTH[@]}" --budget-s 285
