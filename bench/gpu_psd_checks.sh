@@ -19,6 +19,7 @@
 #   STAGE=14: m = 64, alpha 0.6: psd's sweep k = 1-5 and sd at the k psd ran.
 #   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 60 s per load (builds ~135 s), same call.
 #   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
+#   STAGE=17: 16, then 14 in the time left (both in one call, by stage 13's timings).
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
@@ -66,6 +67,13 @@ elif [ "$STAGE" = 13 ]; then
 elif [ "$STAGE" = 14 ]; then
   psd_vs_sd a06m64 555 --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent --ms 64 --alphas 0.6 \
     --k-max 5 --temperature 0 --budget-s 540
+elif [ "$STAGE" = 17 ]; then   # 16 then 14 in one call: stage 13 built psd in ~110 s and ran a 1024-request m = 64
+  # psd row in ~18 s, sd two at a time, so 16 fits ~190 s and 14 the ~360 s after it
+  psd_vs_sd b4m16 200 --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 1,4 --prior /nonexistent --ms 16 \
+    "${SYNTH[@]}" --budget-s 188
+  l=$(left 565)
+  psd_vs_sd a06m64 "$l" --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent --ms 64 --alphas 0.6 \
+    --k-max 5 --temperature 0 --budget-s $(( l - 15 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
