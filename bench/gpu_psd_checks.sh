@@ -20,6 +20,7 @@
 #   STAGE=15: online only, psd and sd_split at psd's best closed k (3), 60 s per load (builds ~135 s), same call.
 #   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
 #   STAGE=17: 16, then 14 in the time left (both in one call, by stage 13's timings).
+#   STAGE=18: 16's b = 64 rows alone (LIMIT=seconds, default 170).
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
@@ -74,6 +75,10 @@ elif [ "$STAGE" = 17 ]; then   # 16 then 14 in one call: stage 13 built psd in ~
   l=$(left 565)
   psd_vs_sd a06m64 "$l" --part 1 --part1-modes psd,sd --batch-mults 1 --prior /nonexistent --ms 64 --alphas 0.6 \
     --k-max 5 --temperature 0 --budget-s $(( l - 15 ))
+elif [ "$STAGE" = 18 ]; then   # what 17 skipped (a b = 64 engine's build did not fit after b = 16's): b = 64 alone
+  l=${LIMIT:-170}
+  psd_vs_sd b4m16 "$l" --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
+    "${SYNTH[@]}" --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
