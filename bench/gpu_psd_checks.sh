@@ -21,6 +21,7 @@
 #   STAGE=16: the 4m baselines at m = 16 (sd k = 2 and ar at b = 64, after b = 16 again), one per GPU.
 #   STAGE=17: 16, then 14 in the time left (both in one call, by stage 13's timings).
 #   STAGE=18: 16's b = 64 rows alone (LIMIT=seconds, default 170).
+#   STAGE=19, 20: what the grid still lacks after session 10 (below); one call each.
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
@@ -79,6 +80,18 @@ elif [ "$STAGE" = 18 ]; then   # what 17 skipped (a b = 64 engine's build did no
   l=${LIMIT:-170}
   psd_vs_sd b4m16 "$l" --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
     "${SYNTH[@]}" --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 19 ]; then   # what is left of the grid after session 10: 18, then sd_dp2 online at sd's best k, 60 s
+  psd_vs_sd b4m16 170 --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
+    "${SYNTH[@]}" --budget-s 158
+  l=$(left 565)
+  psd_vs_sd sd_dp2 "$l" --part 2 --part2-modes sd_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" \
+    --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 20 ]; then   # ar_dp2 online at 60 s, then sd at m, 2m and 4m for alpha 0.6 (m = 64, k = 2: its
+  # best there) in the time left
+  psd_vs_sd ar_dp2 300 --part 2 --part2-modes ar_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" --budget-s 288
+  l=$(left 565)
+  [ "$l" -gt 90 ] && psd_vs_sd sd_a06 "$l" --part 1 --part1-modes sd --sd-ks 2 --batch-mults 1,2,4 \
+    --prior /nonexistent --ms 64 --alphas 0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
