@@ -7,7 +7,8 @@
 # Back here: python -m bench.merge_rows <files_at>/*/psd_vs_sd.parquet --sha <sha>, then python -m bench.plot
 # bench/results/psd_vs_sd.parquet --out bench/results/psd_vs_sd.png; keep the logs in bench/results/logs/.
 #
-#   STAGE=1: the CUDA tests of the overlap copies and graphs; a draft's Ray hop on this host (bench.payload_hop);
+#   STAGE=1: the CUDA tests of the overlap copies and graphs; a draft's Ray hop on this host (bench.payload_hop, with
+#            packed q of width 128: probabilistic drafting's payload);
 #            the default pair in float32 (greedy outputs of sd, sd_split and psd == ar's, token for token, on the
 #            GPUs); part 1 of bench.psd_vs_sd (closed workloads, m = 16 then 64, k sweeps, the sd / ar baselines)
 #            in what time is left.
@@ -48,7 +49,8 @@ ONLINE=(--online-only --capacity 51.911 --prior bench/results/psd_vs_sd.parquet 
 
 if [ "$STAGE" = 1 ]; then
   cuda_tests 150
-  timeout 60 python -m bench.payload_hop --trips 200 --rounds 2 --out "$OUT/payload_hop" > "$OUT/payload_hop.log" 2>&1
+  timeout 90 python -m bench.payload_hop --trips 200 --rounds 2 --probs-widths 128 --out "$OUT/payload_hop" \
+    > "$OUT/payload_hop.log" 2>&1
   say "payload hop rc=$?"; grep "^{" "$OUT/payload_hop.log" | cut -c1-160
   rm -f "$OUT/payload_hop/"*.png "$OUT/payload_hop/"*.md
   timeout 240 python -m bench.default_pair_speed --dtype float32 --out "$OUT/default_pair_fp32" \
