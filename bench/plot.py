@@ -66,21 +66,27 @@ def plot_psd_vs_sd(parquet, png) -> Path:
 
     on = [r for r in rows if r["workload"] == "online"]
     online_m = sorted({r["m"] for r in on})
-    for mode in sorted({r["mode"] for r in on}):
-        pts = sorted((r for r in on if r["mode"] == mode), key=lambda r: r["rate_rps"])
-        rates = [r["rate_rps"] for r in pts]
-        online.plot(rates, [r["lat_p99_s"] for r in pts], "-", marker="o", color=COLORS.get(mode),
-                    label=f"{mode} P99 latency")
-        online.plot(rates, [r["ttft_p99_s"] for r in pts], "--", marker="x", color=COLORS.get(mode),
-                    label=f"{mode} P99 TTFT")
-    online.set(xlabel="arrival rate (requests/s)", ylabel="s", title=f"Online (Poisson), m={'/'.join(map(str, online_m))}: P99 latency and TTFT")
+    # a curve per mode and k: runs at another k are other configurations, not more points of one curve
+    curves = sorted({(r["mode"], r["k"]) for r in on})
+    for mode, k in curves:
+        pts = sorted((r for r in on if r["mode"] == mode and r["k"] == k), key=lambda r: r["rate_rps"])
+        rates, name = [r["rate_rps"] for r in pts], mode if mode == "ar_dp2" else f"{mode} k={k}"
+        width = 1.6 if k == max(kk for mm, kk in curves if mm == mode) else 0.8   # a mode's highest k stands out
+        online.plot(rates, [r["lat_p99_s"] for r in pts], "-", marker="o", lw=width, color=COLORS.get(mode),
+                    label=f"{name} P99 latency")
+        online.plot(rates, [r["ttft_p99_s"] for r in pts], "--", marker="x", lw=width, color=COLORS.get(mode),
+                    label=f"{name} P99 TTFT")
+    online.set(xlabel="arrival rate (requests/s)", ylabel="s",
+               title=f"Online (Poisson), m={'/'.join(map(str, online_m))}: P99 latency and TTFT")
     online.set_yscale("log")
     for a in ax.flat:
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)
     first = rows[0] if rows else {}
-    fig.suptitle(f"PSD vs SD — {first.get('device', '')}, git {first.get('git_sha', '')}", fontsize=10)
+    shas = list(dict.fromkeys(r.get("git_sha") for r in rows))   # in row order, once each
+    git = f"git {shas[0]}" if len(shas) == 1 else f"rows from {len(shas)} commits (psd_vs_sd.md names each)"
+    fig.suptitle(f"PSD vs SD — {first.get('device', '')}, {git}", fontsize=10)
     fig.tight_layout()
     png = Path(png)
     fig.savefig(png, dpi=110)
