@@ -929,7 +929,8 @@ def target_rows(rows: list[dict]) -> list[dict]:
             if None not in (p.get(q), b.get(q)) and p[q] > 1.05 * b[q]]
     out.append({"target": "online: psd P50/P99 latency <= 1.05x sd_split's at every load",
                 "value": "no rows" if not pairs else "; ".join(
-                    f"k={p['k']} {p['load']:.0%}: P50 {p['lat_p50_s'] / b['lat_p50_s']:.2f}x, P99 {p['lat_p99_s'] / b['lat_p99_s']:.2f}x"
+                    f"k={p['k']} {p['load']:.0%}: P50 {p['lat_p50_s'] / b['lat_p50_s']:.2f}x, "
+                    f"P99 {p['lat_p99_s'] / b['lat_p99_s']:.2f}x"
                     for p, b in pairs if b.get("lat_p50_s") and b.get("lat_p99_s")),
                 "met": None if not pairs else not slow})
     over = [r for r in psd if r.get("ray_overhead_ms") is not None]
