@@ -82,18 +82,18 @@ elif [ "$STAGE" = 18 ]; then   # what 17 skipped (a b = 64 engine's build did no
   l=${LIMIT:-170}
   psd_vs_sd b4m16 "$l" --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
     "${SYNTH[@]}" --budget-s $(( l - 12 ))
-elif [ "$STAGE" = 19 ]; then   # what is left of the grid after session 10: 18, then sd_dp2 online at sd's best k, 60 s
-  psd_vs_sd b4m16 170 --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
-    "${SYNTH[@]}" --budget-s 158
-  l=$(left 565)
-  psd_vs_sd sd_dp2 "$l" --part 2 --part2-modes sd_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" \
-    --budget-s $(( l - 12 ))
-elif [ "$STAGE" = 20 ]; then   # ar_dp2 online at 60 s, then sd at m, 2m and 4m for alpha 0.6 (m = 64, k = 2: its
-  # best there) in the time left
-  psd_vs_sd ar_dp2 300 --part 2 --part2-modes ar_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" --budget-s 288
+elif [ "$STAGE" = 19 ]; then   # what is left of the grid after session 10 (19 and 20): sd_dp2 online at sd's best k
+  # (2), 60 s per load (~80 s to build, then three loads), then sd at m, 2m and 4m for alpha 0.6 (m = 64) in the rest
+  psd_vs_sd sd_dp2 360 --part 2 --part2-modes sd_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" --budget-s 348
   l=$(left 565)
   [ "$l" -gt 90 ] && psd_vs_sd sd_a06 "$l" --part 1 --part1-modes sd --sd-ks 2 --batch-mults 1,2,4 \
     --prior /nonexistent --ms 64 --alphas 0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 20 ]; then   # ar_dp2 online at 60 s per load (~60 s to build), then 18 in the rest (sd at b = 16,
+  # its sweep, beside ar at 4m; then sd at 4m: ~180 s)
+  psd_vs_sd ar_dp2 300 --part 2 --part2-modes ar_dp2 "${ONLINE[@]}" --online-s 60 "${SYNTH[@]}" --budget-s 288
+  l=$(left 565)
+  psd_vs_sd b4m16 "$l" --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
+    "${SYNTH[@]}" --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550

@@ -701,9 +701,10 @@ class Bench:
             batches = [x * m for x in setup.batch_mults]
             ar = [Job((m, a), tier, Spec("ar", b, 0, None), lambda b=b: Spec("ar", b, 0, None))
                   for b in batches] if a == setup.alphas[0] else []
+            # sd at b = m is its k sweep above; a list without m (--batch-mults 4) still gets its other batches
             sd = [Job((m, a), tier, Spec("sd", b, setup.real_k, a),
                       lambda b=b, m=m, a=a: Spec("sd", b, res.best_k("sd", m, a, setup.real_k), a), barrier=True)
-                  for b in batches[1:]]
+                  for b in batches if b != m]
             jobs += ar[:1]  # pairs with the sweep's last sd run; each sd job below needs the whole sweep
             for i, job in enumerate(sd):
                 jobs += [job] + ar[i + 1:i + 2]

@@ -197,3 +197,22 @@ def test_merge_rows_replaces_configurations_and_keeps_the_old_rows(tmp_path):
     kept = pq.read_table(tmp_path / "logs/psd_vs_sd_replaced_by_abc1234.parquet").to_pylist()
     assert [(r["k"], r["tokens_per_s"]) for r in kept] == [(4, psd16["tokens_per_s"])]
     assert "9999" in (tmp_path / "psd_vs_sd.md").read_text()
+
+
+@pytest.mark.parametrize("mults", ["1,4", "4", "1,2,4"])
+def test_baseline_batches_plan_sd_and_ar_at_each(tmp_path, mults):
+    """--batch-mults: ar runs at every batch listed and sd at each too, besides its k sweep at b = m, also when m
+    itself is not listed (--batch-mults 4 planned no sd at 4m)."""
+    import argparse
+
+    from bench.psd_vs_sd import Bench, Results, Setup
+
+    listed = {16 * int(x) for x in mults.split(",")}
+    bench = Bench.__new__(Bench)
+    bench.setup = Setup(smoke=False, models={}, ms=[16], alphas=[0.8], k_min=1, k_max=2, split_ablation=False,
+                        batch_mults=tuple(int(x) for x in mults.split(",")))
+    bench.args = argparse.Namespace(psd_ks=None)
+    bench.results = Results(tmp_path, [], {1}, {"device": "gpu"})
+    jobs = bench.plan_part1()
+    planned = lambda mode: {j.estimate.batch for j in jobs if j.estimate.mode == mode}
+    assert planned("sd") == listed | {16} and planned("ar") == listed
