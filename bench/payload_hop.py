@@ -6,7 +6,7 @@ collective draft channel (`link`: the verifier waits on it, the drafter sends a 
 end to the verifier's task start (wall clocks of one host), and the whole round trip seen by the driver.
 With --probs-widths, probabilistic drafting's q [rows, k, width] float32 travels with the ids too, through the
 owner (numpy) and the link: width = the vocabulary is dense q, 2 x top_k is q packed as top_k (prob, id) pairs
-(engine/rejection.py pack_draft_probs).
+(engine/rejection.py draft_sample_packed).
 
     python -m bench.payload_hop [--rows 64] [--k 3] [--trips 400] [--probs-widths 128256,128 --probs-trips 20]
 

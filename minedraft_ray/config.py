@@ -37,7 +37,8 @@ class EngineConfig(BaseModel):
     draft_temperature: float = Field(0.0, ge=0.0, description="0 = greedy drafting (only ids travel)")
     draft_top_k: int = Field(64, ge=0, description="probabilistic drafting proposes from the drafter's most "
                              "likely tokens, this many (renormalised; still lossless), and only their (prob, id) "
-                             "pairs cross between the GPUs, not the vocabulary's probabilities; 0: the whole vocabulary")
+                             "pairs cross between the GPUs, not the vocabulary's probabilities; 0 (or 2 x this >= the "
+                             "vocabulary): the whole vocabulary")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True

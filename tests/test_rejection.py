@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from minedraft_ray.engine import rejection
-from minedraft_ray.engine.rejection import draft_sample, pack_draft_probs, rejection_sample, unpack_draft_probs
-from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams, process_logits, sample
+from minedraft_ray.engine.rejection import draft_sample, draft_sample_packed, rejection_sample, unpack_draft_probs
+from minedraft_ray.engine.sampling import (PURPOSE_DRAFT, SamplingBatch, SamplingParams, exponential_race, noise_uniform,
+                                            process_logits, sample)
 from tests.stats import chi_square_pvalue
 
 P_MIN = 1e-3
@@ -128,11 +129,18 @@ def test_draft_top_k_cuts_q_to_exactly_k_tokens_and_travels_packed_exactly():
     full_q = process_logits(logits, b)
     kept = q[:B - 4] > 0                                               # the cut keeps the largest probabilities
     assert torch.allclose(q[:B - 4][kept], (full_q[:B - 4] / (full_q[:B - 4] * kept).sum(-1, keepdim=True))[kept])
-    packed = pack_draft_probs(q.view(B, 1, V), top_k)
+    packed_ids, packed = draft_sample_packed(logits, b, pos, top_k)   # q as it travels
+    packed = packed.view(B, 1, 2 * top_k)
     assert packed.shape == (B, 1, 2 * top_k) and packed.dtype == torch.float32
     assert torch.equal(unpack_draft_probs(packed, V), q.view(B, 1, V))
+    # the race over the kept tokens is the race over the whole cut q with the same noise
+    u = noise_uniform(b.seed, pos.view(-1, 1), PURPOSE_DRAFT, V)[:, 0]
+    assert torch.equal(ids, exponential_race(q, u))
+    # a top_k whose pairs would be at least as wide as the vocabulary keeps q dense and whole
+    assert all(torch.equal(draft_sample_packed(logits, b, pos, cut)[1], full_q) for cut in (V // 2, V - 1))
     dense = draft_sample(logits, b, pos)[1].view(B, 1, V)              # top_k = 0: the vocabulary, unpacked
-    assert torch.equal(pack_draft_probs(dense, 0), dense) and torch.equal(unpack_draft_probs(dense, V), dense)
+    assert torch.equal(draft_sample_packed(logits, b, pos)[1].view(B, 1, V), dense)
+    assert torch.equal(unpack_draft_probs(dense, V), dense)
 
 
 def test_no_drafts_equals_sample():
@@ -277,9 +285,9 @@ def emitted(params: SamplingParams, drafting: str, ragged: bool = True) -> np.nd
             ids, probs = draft_logits.argmax(-1), None
         else:   # probabilistic, or cut to the drafter's top 2 of V and sent packed (as between two GPUs)
             top_k = 2 if drafting == "probabilistic_top2" else 0
-            drafts = [draft_sample(draft_logits[:, j], b, pos0 + start + j, top_k) for j in range(K)]
+            drafts = [draft_sample_packed(draft_logits[:, j], b, pos0 + start + j, top_k) for j in range(K)]
             ids = torch.stack([d[0] for d in drafts], 1)
-            probs = unpack_draft_probs(pack_draft_probs(torch.stack([d[1] for d in drafts], 1), top_k), V)
+            probs = unpack_draft_probs(torch.stack([d[1] for d in drafts], 1), V)
             probs = probs.masked_fill(pad.unsqueeze(-1), float("nan"))
         out, n = rejection_sample(TARGET_LOGITS[at + window], ids.masked_fill(pad, -1),
                                   num_drafts, b, pos0 + start, probs)

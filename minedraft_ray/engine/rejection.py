@@ -17,40 +17,44 @@ from .sampling import (PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_RESIDUAL, PURPOSE_
                        exponential_race, noise_uniform, process_logits, sample)
 
 
-def draft_sample(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, top_k: int = 0):
+def draft_sample_packed(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
+                        top_k: int = 0):
     """Probabilistic drafting: draft_logits [B, V], positions [B] (output position of the drafted token).
-    Returns (ids [B] int64, probs [B, V] float32), probs being exactly the q the ids were drawn from, as
-    rejection_sample needs it. Greedy rows get argmax ids and one-hot probs. (Greedy drafting is plain argmax
-    with draft_probs=None in rejection_sample.)
+    Returns (ids [B] int64, q [B, W] float32): q is exactly the distribution the ids were drawn from, in the
+    form it travels in and that Verifier.verify takes (unpack_draft_probs gives it dense).
 
-    top_k > 0: q is the drafter's distribution cut to its top_k tokens (exactly top_k entries, ties or not) and
-    renormalised, so q travels between GPUs as top_k (prob, id) pairs (pack_draft_probs). Any q keeps the
-    output lossless; a cut one only accepts a little less where the drafter's tail mass is large."""
+    top_k with 2 top_k < V: q is the drafter's distribution cut to its top_k tokens (exactly top_k entries,
+    ties or not) and renormalised, and W = 2 top_k: the probabilities, then their ids as float32 (exact below
+    2^24, far above any vocabulary); at 8B/1B shapes (V = 128256), N = 64, k = 3, 98 KB a round instead of 98 MB.
+    Any q keeps the output lossless; a cut one only accepts a little less where the drafter's tail mass is
+    large. Otherwise W = V: q dense. Greedy rows get argmax ids and one-hot q. (Greedy drafting is plain argmax
+    with draft_probs=None in rejection_sample.)"""
     probs = process_logits(draft_logits, batch)                                   # [B, V]
-    if 0 < top_k < probs.shape[-1]:
-        vals, idx = probs.topk(top_k, -1)                                         # [B, top_k]
-        probs = torch.zeros_like(probs).scatter_(-1, idx, vals / vals.sum(-1, keepdim=True))
-    u = noise_uniform(batch.seed, positions.view(-1, 1), PURPOSE_DRAFT, draft_logits.shape[-1])[:, 0]
-    return exponential_race(probs, u), probs
+    where = positions.view(-1, 1)
+    if draft_probs_width(probs.shape[-1], top_k) == probs.shape[-1]:
+        return exponential_race(probs, noise_uniform(batch.seed, where, PURPOSE_DRAFT, probs.shape[-1])[:, 0]), probs
+    vals, idx = probs.topk(top_k, -1)                                             # [B, top_k]
+    vals = vals / vals.sum(-1, keepdim=True)
+    # the race over the kept tokens with their own noise: the dense race over the cut q, zeros never winning
+    u = noise_uniform(batch.seed, where, PURPOSE_DRAFT, idx)[:, 0]                # [B, top_k]
+    ids = idx.gather(-1, exponential_race(vals, u)[:, None])[:, 0]
+    return ids, torch.cat([vals, idx.float()], -1)
+
+
+def draft_sample(draft_logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, top_k: int = 0):
+    """draft_sample_packed with q dense: (ids [B] int64, q [B, V] float32)."""
+    ids, q = draft_sample_packed(draft_logits, batch, positions, top_k)
+    return ids, unpack_draft_probs(q, draft_logits.shape[-1])
 
 
 def draft_probs_width(vocab: int, top_k: int) -> int:
-    """Last dimension of packed draft probabilities: top_k (prob, id) pairs, or the dense vocabulary."""
-    return 2 * top_k if 0 < top_k < vocab else vocab
-
-
-def pack_draft_probs(probs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """q [N, k, V] float32 with at most top_k non-zero entries per row (draft_sample's) -> [N, k, 2 top_k]:
-    the top_k probabilities, then their ids as float32 (exact below 2^24, far above any vocabulary). Dense
-    (top_k = 0 or >= V): q itself. At 8B/1B shapes (V = 128256), N = 64, k = 3: 98 KB instead of 98 MB."""
-    if draft_probs_width(probs.shape[-1], top_k) == probs.shape[-1]:
-        return probs
-    vals, idx = probs.topk(top_k, -1)                                             # [N, k, top_k]
-    return torch.cat([vals, idx.float()], -1)
+    """Last dimension of draft probabilities as they travel: top_k (prob, id) pairs where that is narrower
+    than the vocabulary (and so cannot be mistaken for it), else the dense vocabulary."""
+    return 2 * top_k if 0 < 2 * top_k < vocab else vocab
 
 
 def unpack_draft_probs(packed: torch.Tensor, vocab: int) -> torch.Tensor:
-    """pack_draft_probs' output -> q [N, k, V] float32, exactly the q the drafts were drawn from."""
+    """draft_sample_packed's q [..., W] -> q [..., V] float32, exactly the q the drafts were drawn from."""
     if packed.shape[-1] == vocab:
         return packed
     top_k = packed.shape[-1] // 2

@@ -202,19 +202,21 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def noise_uniform(seed: torch.Tensor, position: torch.Tensor, purpose: int | torch.Tensor,
-                  vocab: int | None = None) -> torch.Tensor:
+                  vocab: int | torch.Tensor | None = None) -> torch.Tensor:
     """Uniform noise in (0, 1), float32, as a pure function of (seed, absolute position, purpose, vocab index).
 
     seed [B] int64; position [B, q] int64 (positions are taken mod 2^32); purpose an int or an int64 tensor
-    broadcastable to [B, q]. Returns [B, q] if vocab is None, else [B, q, V]."""
+    broadcastable to [B, q]. Returns [B, q] if vocab is None, [B, q, V] for every index below vocab = V, or
+    [B, q, n] at given vocab indices [B, n] int64 (the same values: a race over a few tokens needs only theirs)."""
     seed = seed.to(torch.int64).view(-1, 1)                                     # [B, 1]
     h = _mix32((seed & _M32) ^ 0x243F6A88)
     h = _mix32(h ^ ((seed >> 32) & _M32) ^ 0x85A308D3)
     h = _mix32(h ^ (position.to(torch.int64) & _M32) ^ 0x13198A2E)              # [B, q]
     h = _mix32(h ^ (purpose & _M32) ^ 0x03707344)
     if vocab is not None:
-        v = torch.arange(vocab, device=h.device, dtype=torch.int64)
-        h = _mix32(h.unsqueeze(-1) ^ _mix32(v ^ 0x299F31D0))                    # [B, q, V]
+        v = torch.arange(vocab, device=h.device, dtype=torch.int64) if isinstance(vocab, int) \
+            else vocab.unsqueeze(-2)                                              # [V] or [B, 1, n]
+        h = _mix32(h.unsqueeze(-1) ^ _mix32(v ^ 0x299F31D0))                    # [B, q, V] or [B, q, n]
     # top 23 bits -> (h + 0.5) / 2^23: exactly representable in float32, never 0 or 1
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 

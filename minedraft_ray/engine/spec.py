@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rejection import draft_sample, rejection_sample
+from .rejection import draft_sample_packed, rejection_sample, unpack_draft_probs
 from .runner import ModelRunner, to_host_async
 from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
 
@@ -44,7 +44,8 @@ class Drafter:
     @torch.inference_mode()
     def draft(self, rows: list[DraftRow], k: int, seeds: list[int] | None = None,
               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> draft_ids [B, k] int64 (device), draft_probs [B, k, V] float32 or None (greedy drafting).
+        """-> draft_ids [B, k] int64 (device), draft_probs [B, k, W] float32 (draft_sample_packed's q: top-k
+        pairs or dense) or None (greedy drafting).
 
         positions [B]: absolute output position of each row's first draft token and seeds: the
         requests' seeds; both only matter for probabilistic drafting (its noise keys).
@@ -86,7 +87,7 @@ class Drafter:
         logits = runner.step(slots, last2)[:, -1]                        # [B, V]
         for j in range(k):
             if probabilistic:
-                tok, p = draft_sample(logits, draft_batch, positions + j, self.draft_top_k)
+                tok, p = draft_sample_packed(logits, draft_batch, positions + j, self.draft_top_k)
                 probs.append(p)
             else:
                 tok = logits.argmax(-1)                                 # [B]
@@ -149,12 +150,15 @@ class Verifier:
                draft_probs: torch.Tensor | None = None, num_logprobs: int = 0) -> VerifyResult:
         """One target pass over [last token, drafts] and rejection sampling.
 
-        slots, last_tokens, num_drafts, positions: [B]; draft_ids [B, k] (k may be 0: plain decode).
+        slots, last_tokens, num_drafts, positions: [B]; draft_ids [B, k] (k may be 0: plain decode);
+        draft_probs [B, k, W]: the drafter's q as it comes (draft_sample_packed), expanded here.
         The target slot keeps the last token plus the accepted drafts; the rest is rolled back.
         """
         k = draft_ids.shape[1]
         ids = torch.cat([last_tokens[:, None], draft_ids], 1)            # [B, k+1]
         logits = self.runner.step(slots, ids)                            # [B, k+1, V]
+        if draft_probs is not None:
+            draft_probs = unpack_draft_probs(draft_probs, logits.shape[-1])   # [B, k, V]
         tokens, num_emitted = rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)
         if self.synthetic_acceptance is not None and k > 0:
             tokens, num_emitted = self._synthetic(logits, draft_ids, num_drafts, batch, positions)

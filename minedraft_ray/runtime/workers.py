@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..engine.engine import default_device
 from ..engine.loader import check_pair, load_model
 from ..engine.presets import resolve_model
-from ..engine.rejection import draft_probs_width, pack_draft_probs, unpack_draft_probs
+from ..engine.rejection import draft_probs_width
 from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
@@ -97,7 +97,7 @@ class LaunchOrder:
 @dataclass(frozen=True)
 class LinkRound:
     """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, W] float32,
-    packed by pack_draft_probs, under probabilistic drafting) that the drafter sends over the link of
+    packed by draft_sample_packed, under probabilistic drafting) that the drafter sends over the link of
     `generation` as message 2 * key (and 2 * key + 1)."""
     key: int
     rows: int
@@ -133,7 +133,7 @@ class _Worker:
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
-        # draft probabilities as they travel (pack_draft_probs): top-k pairs, or the dense vocabulary
+        # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
         self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
         self.link: PeerLink | None = None   # the collective draft channel's, one per drafter generation
         self.order: LaunchOrder | None = None   # a threaded worker's: tasks launch device work in turn
@@ -329,7 +329,7 @@ class VerifierWorker(_Worker):
 
     def _verify(self, slots: list[int], slot_t: torch.Tensor, draft_ids, num_drafts, draft_probs,
                 num_logprobs: int) -> VerifyResult:
-        # slot_t: slots [B] on the device; draft_ids [B, k], num_drafts [B], draft_probs [B, k, V] | None
+        # slot_t: slots [B] on the device; draft_ids [B, k], num_drafts [B], draft_probs [B, k, W] packed | None
         last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
         batch = self.state.sampling.select(slots, slot_t)
         result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
@@ -346,8 +346,8 @@ class VerifierWorker(_Worker):
         ids = to_device(drafts["ids"], self.device)[index.clamp(min=0)]                       # [B, k]
         num_drafts = torch.where(has, ids.shape[1], 0)
         probs = drafts.get("probs")
-        if probs is not None:   # packed [N, k, W] -> the rows' q [B, k, V]
-            probs = unpack_draft_probs(to_device(probs, self.device)[index.clamp(min=0)], self.vocab_limit)
+        if probs is not None:   # packed: Verifier.verify expands it
+            probs = to_device(probs, self.device)[index.clamp(min=0)]                         # [B, k, W]
         return ids, num_drafts, probs
 
 
@@ -376,7 +376,7 @@ class DrafterWorker(_Worker):
         return timer.ms
 
     def draft(self, *args):
-        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (pack_draft_probs) | None},
+        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (draft_sample_packed) | None},
         device ms)."""
         ids, probs, ms = self._draft(*args)
         # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
@@ -390,7 +390,7 @@ class DrafterWorker(_Worker):
         `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already
         holds all of that sequence but its last two tokens, so only those are fed.
         positions: output position of each row's first draft before the taken tokens.
-        -> (ids [B, k] int64, probs [B, k, W] float32 packed (pack_draft_probs) | None, both on the host;
+        -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host;
         device ms)."""
         draft_rows, error = [], None
         try:   # outside the turn: the previous round's device work runs meanwhile
@@ -418,9 +418,7 @@ class DrafterWorker(_Worker):
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
                 ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
-                if probs is not None:   # q travels packed: top-k pairs, not the vocabulary
-                    probs = to_host_async(pack_draft_probs(probs, self.config.draft_top_k))
-                ids = to_host_async(ids)
+                ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
         ms = timer.ms   # waits for the device (and the copies to the host) here, outside the turn
         return ids, probs, ms
 
