@@ -23,6 +23,8 @@
 #   STAGE=17: 16, then 14 in the time left (both in one call, by stage 13's timings).
 #   STAGE=18: 16's b = 64 rows alone (LIMIT=seconds, default 170).
 #   STAGE=19, 20: what the grid still lacks after session 10 (below); one call each.
+#   STAGE=21: psd at m = 128 (256 requests in flight, as many as sd's best batch 4m at m = 64) against sd at
+#            b = 128 and 256 on the same 2048 requests, alpha 0.8 then 0.6 (LIMIT=seconds, default 540).
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
@@ -94,6 +96,10 @@ elif [ "$STAGE" = 20 ]; then   # ar_dp2 online at 60 s per load (~60 s to build)
   l=$(left 565)
   psd_vs_sd b4m16 "$l" --part 1 --part1-modes sd,ar --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 16 \
     "${SYNTH[@]}" --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 21 ]; then   # equal requests in flight at the baselines' best batch: psd m = 128 against sd 2m
+  l=${LIMIT:-540}
+  psd_vs_sd m128 "$l" --part 1 --part1-modes psd,sd --psd-ks 2,3 --sd-ks 2 --batch-mults 2 --prior /nonexistent \
+    --ms 128 --alphas 0.8,0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
