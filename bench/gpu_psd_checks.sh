@@ -25,6 +25,7 @@
 #   STAGE=19, 20: what the grid still lacks after session 10 (below); one call each.
 #   STAGE=21: psd at m = 128 (256 requests in flight, as many as sd's best batch 4m at m = 64) against sd at
 #            b = 128 and 256 on the same 2048 requests, alpha 0.8 then 0.6 (LIMIT=seconds, default 540).
+#   STAGE=22: ar_dp2 online at 90 % for 60 s (20 skipped it: its budget missed by 2 s), then 21 at alpha 0.8 in the rest.
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
@@ -100,6 +101,12 @@ elif [ "$STAGE" = 21 ]; then   # equal requests in flight at the baselines' best
   l=${LIMIT:-540}
   psd_vs_sd m128 "$l" --part 1 --part1-modes psd,sd --psd-ks 2,3 --sd-ks 2 --batch-mults 2 --prior /nonexistent \
     --ms 128 --alphas 0.8,0.6 --k-max 5 --temperature 0 --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 22 ]; then   # ar_dp2 built in ~40 s in 20; a 60 s load took ~61 s plus a drain of up to 30
+  psd_vs_sd ar_dp2 170 --part 2 --part2-modes ar_dp2 "${ONLINE[@]}" --loads 0.9 --online-s 60 "${SYNTH[@]}" \
+    --budget-s 160
+  l=$(left 560)
+  psd_vs_sd m128 "$l" --part 1 --part1-modes psd,sd --psd-ks 2,3 --sd-ks 2 --batch-mults 2 --prior /nonexistent \
+    --ms 128 "${SYNTH[@]}" --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
