@@ -25,6 +25,8 @@
 #   STAGE=19, 20: what the grid still lacks after session 10 (below); one call each.
 #   STAGE=21: psd at m = 128 (256 requests in flight, as many as sd's best batch 4m at m = 64) against sd at
 #            b = 128 and 256 on the same 2048 requests, alpha 0.8 then 0.6 (LIMIT=seconds, default 540).
+#   STAGE=23: sd at b = 256 (4m) at k = 2 on the m = 64 workload, alpha 0.8 (its b = 256 row ran k = 3; at m = 128
+#            k = 2 was sd's best at b = 256), after b = 64 again (LIMIT=seconds, default 230).
 #   STAGE=22: ar_dp2 online at 90 % for 60 s (20 skipped it: its budget missed by 2 s), then 21 at alpha 0.8 in the rest.
 set -u
 : "${OUT:?}"
@@ -107,6 +109,10 @@ elif [ "$STAGE" = 22 ]; then   # ar_dp2 built in ~40 s in 20; a 60 s load took ~
   l=$(left 560)
   psd_vs_sd m128 "$l" --part 1 --part1-modes psd,sd --psd-ks 2,3 --sd-ks 2 --batch-mults 2 --prior /nonexistent \
     --ms 128 "${SYNTH[@]}" --budget-s $(( l - 12 ))
+elif [ "$STAGE" = 23 ]; then
+  l=${LIMIT:-230}
+  psd_vs_sd sd4m "$l" --part 1 --part1-modes sd --sd-ks 2 --batch-mults 4 --prior /nonexistent --ms 64 "${SYNTH[@]}" \
+    --budget-s $(( l - 12 ))
 elif [ "$STAGE" = 15 ]; then
   psd_vs_sd online 565 --part 2 --part2-modes psd,sd_split "${ONLINE[@]}" --k-psd 3 --online-s 60 "${SYNTH[@]}" \
     --budget-s 550
