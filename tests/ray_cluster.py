@@ -1,4 +1,4 @@
-"""One private Ray cluster per test session, shared by every Ray test module.
+"""One private Ray cluster per test session (per worker under `make test`'s `-n 2`), shared by its Ray test modules.
 
 tests/conftest.py imports the fixture (`from ray_cluster import ray_cluster  # noqa: F401`). Logical GPUs
 (num_gpus=2) let placement groups with GPU bundles schedule on a CPU machine; the actors still run torch
