@@ -24,10 +24,11 @@
 #   STAGE=18: 16's b = 64 rows alone (LIMIT=seconds, default 170).
 #   STAGE=19, 20: what the grid still lacks after session 10 (below); one call each.
 #   STAGE=21: psd at m = 128 (256 requests in flight, as many as sd's best batch 4m at m = 64) against sd at
-#            b = 128 and 256 on the same 2048 requests, alpha 0.8 then 0.6 (LIMIT=seconds, default 540).
-#   STAGE=23: sd at b = 256 (4m) at k = 2 on the m = 64 workload, alpha 0.8 (its b = 256 row ran k = 3; at m = 128
-#            k = 2 was sd's best at b = 256), after b = 64 again (LIMIT=seconds, default 230).
+#            b = 128 and 256 on the same 2048 requests, alpha 0.8 then 0.6 (LIMIT=seconds, default 540; not run:
+#            22 ran its alpha 0.8 part).
 #   STAGE=22: ar_dp2 online at 90 % for 60 s (20 skipped it: its budget missed by 2 s), then 21 at alpha 0.8 in the rest.
+#   STAGE=23: sd at b = 256 (4m) at k = 2 on the m = 64 workload, alpha 0.8 (its b = 256 row ran k = 3; at m = 128
+#            k = 2 was sd's best at b = 256), after b = 64 again (LIMIT=seconds, default 230; 230 ran b = 64 only).
 set -u
 : "${OUT:?}"
 STAGE=${STAGE:-1}
