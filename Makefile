@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # two pytest workers, each with its own Ray cluster; a file's tests stay on one worker, so module fixtures run once:
-# 13.7 -> 10.9 min on the 2-core machine, where one worker left ~40 % of the CPU idle
+# 13.7 -> 10.9 min on the 2-core machine (one worker left ~37 % of its CPU idle over 12 of test_runtime's tests)
 # the two venvs install side by side first (pip waits on the disk more than it computes), not during the tests
 test:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
