@@ -70,7 +70,7 @@ def _tokenizer(folder: Path, vocab_size: int):
     """The tiny byte-level tokenizer, padded with reserved tokens to the model's vocabulary so
     that every id the model can emit is a token (draft/target checks see equal vocabularies).
     They are plain (not special) tokens, so a random model's output shows up as text in a stream."""
-    from ..testing.tiny import build_tokenizer
+    from .byte_tokenizer import build_tokenizer
     tok = build_tokenizer(folder)
     missing = vocab_size - len(tok)
     if missing > 0:
