@@ -28,9 +28,10 @@ def git_sha() -> str:
     return sha + ("-dirty" if dirty else "")
 
 
-def command_line(module: str) -> str:
-    """The command that reproduces this run, as typed in the repository root."""
-    return shlex.join(["python", "-m", module, *sys.argv[1:]])
+def command_line(module: str, argv: list[str] | None = None) -> str:
+    """The command that reproduces this run, as typed in the repository root (argv: its arguments, default
+    this process's)."""
+    return shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def device_name(device: torch.device) -> str:

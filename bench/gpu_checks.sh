@@ -4,7 +4,7 @@
 #   CUDA kernel tests, the engine step table (8B and 1B, against transformers), the Serve smoke run of
 #   deployments/minedraft-gpu.yaml, the default pair's speed-ups.
 #   OUT=/some/dir GIT_SHA=<sha> bash bench/gpu_checks.sh
-# The psd benchmark runs separately: python -m bench.psd_vs_sd --part 1 / --part 2 (9 minutes each).
+# The psd benchmark runs separately, one configuration per command (bench/psd_vs_sd.py says how).
 set -u
 : "${OUT:?}"
 S=$(date +%s)

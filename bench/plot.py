@@ -35,7 +35,7 @@ def plot_psd_vs_sd(parquet, png) -> Path:
 
     for style, (m, a) in zip(styles, groups):
         def curve(mode):
-            pts = sorted((r for r in closed if r["mode"] == mode and r["m"] == m and r["batch"] == m and r["part"] == 1
+            pts = sorted((r for r in closed if r["mode"] == mode and r["m"] == m and r["batch"] == m
                           and r["alpha_group"] == a and r["replicas"] == 1), key=lambda r: r["k"])
             return [r["k"] for r in pts], pts
 
