@@ -113,7 +113,8 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 def write_results(rows: list[dict], out_dir: str | Path, name: str, columns: list[str], title: str,
                   command: str, device: str, notes: list[str] = (), table_columns: list[str] | None = None) -> Path:
-    """Write `<name>.parquet` (all `columns`) and `<name>.md` (table, command, device, notes); return the md path."""
+    """Write `<name>.parquet` (all `columns`), `<name>.md` (table, command, git sha, device, notes) and, where
+    matplotlib is installed, `<name>.png` (bench/plot.py); return the md path."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -121,21 +122,17 @@ def write_results(rows: list[dict], out_dir: str | Path, name: str, columns: lis
     out_dir.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist([{c: row.get(c) for c in columns} for row in rows])
     pq.write_table(table, out_dir / f"{name}.parquet")
+    shas = sorted({str(row.get("git_sha") or git_sha()) for row in rows}) or [git_sha()]
     md = [f"# {title}", "", markdown_table(rows, table_columns or columns), "",
-          f"Command: `{command}`", "", f"Device: {device}", ""]
+          f"Command: `{command}`", "", f"Git: {', '.join(shas)}", "", f"Device: {device}", ""]
     md += [f"- {note}" for note in notes]
     path = out_dir / f"{name}.md"
     path.write_text("\n".join(md).rstrip() + "\n")
+    try:
+        from bench.plot import PLOTS
+
+        if name in PLOTS:
+            PLOTS[name](out_dir / f"{name}.parquet", out_dir / f"{name}.png")
+    except ImportError:  # no matplotlib (the GPU machine): python -m bench.plot later
+        pass
     return path
-
-
-def write_md_and_json(out_dir: str | Path | None, name: str, text: str, rows: list[dict]) -> None:
-    """A sweep's report: `<name>.md` (text) and `<name>.json` (rows) in out_dir, when one is given."""
-    import json
-
-    if out_dir is None:
-        return
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.md").write_text(text)
-    (out_dir / f"{name}.json").write_text(json.dumps(rows, indent=1))

@@ -14,7 +14,7 @@ reports the median per call over the replays, with the TB/s of the weight bytes 
 
     python -m bench.gemm_sweep [--out DIR] [--ms 64,128,320] [--no-inductor] [--smoke]
 
-Writes DIR/gemm_sweep.md and .json. --smoke: tiny shapes on the CPU (wall clock, no graph).
+Writes DIR/gemm_sweep.{parquet,md,png}. --smoke: tiny shapes on the CPU (wall clock, no graph).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import device_name, git_sha, markdown_table, say, write_md_and_json
+from bench.common import command_line, device_name, git_sha, say, write_results
 
 # (name, N out features, K in features) of Llama-3.1-8B
 SHAPES_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -100,7 +100,6 @@ def main(argv=None) -> None:
         variants.append(("inductor", inductor, False, None))
 
     rows = []
-    t_start = time.time()
     for m in [int(v) for v in args.ms.split(",")]:
         for name, n, k in shapes:
             x = torch.randn(m, k, device=device, dtype=dtype)
@@ -130,15 +129,12 @@ def main(argv=None) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    lines = ["# GEMM variants at the Llama-3.1-8B projection shapes", "",
-             f"Device: {device_name(device)}; git {git_sha()}; default BLAS library {default_lib}; "
-             f"{copies} weight copies per CUDA graph (lm_head 4); median of {args.replays} replays; "
-             f"TB/s = weight bytes / time; {time.time() - t_start:.0f} s", "",
-             markdown_table(rows, COLUMNS + ["status"])]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    write_md_and_json(args.out, "gemm_sweep", text, rows)
-
+    for row in rows:
+        row["git_sha"] = git_sha()
+    write_results(rows, args.out or "/tmp/gemm_sweep", "gemm_sweep", COLUMNS + ["status", "git_sha"],
+                  "GEMM variants at the Llama-3.1-8B projection shapes", command_line("bench.gemm_sweep", argv),
+                  device_name(device), [f"default BLAS library {default_lib}; {copies} weight copies per CUDA graph "
+                                        f"(lm_head 4); median of {args.replays} replays; TB/s = weight bytes / time"])
 
 if __name__ == "__main__":
     main()

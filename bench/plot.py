@@ -155,7 +155,35 @@ def bar_plot(label_of, value: str, ylabel: str, title: str):
     return plot
 
 
+def plot_gemm_sweep(parquet, png) -> Path:
+    """Each variant's time relative to `linear`, per GEMM and M: below 1 is faster."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    cells = list(dict.fromkeys((r["m"], r["gemm"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(cells) + 2), 4))
+    for i, variant in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+        at = {(r["m"], r["gemm"]): r["vs_linear"] for r in rows if r["variant"] == variant}
+        ax.plot(range(len(cells)), [at.get(c) for c in cells], "o", color=f"C{i}", label=variant)
+    ax.axhline(1.0, color="0.5", lw=0.8)
+    ax.set_xticks(range(len(cells)), [f"M={m} {g}" for m, g in cells])
+    ax.set(ylabel="time / linear's", title="GEMM variants at Llama-3.1-8B shapes")
+    ax.tick_params(axis="x", labelsize=7, rotation=45)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 PLOTS = {
+    "gemm_sweep": plot_gemm_sweep,
+    "prefill_speed": bar_plot(lambda r: f"{r['prompts']}x{r['length']} {r['path']}", "wall_ms", "ms per prefill",
+                              "Prefill: graphed vs eager (8B shape)"),
     "psd_vs_sd": plot_psd_vs_sd,
     "engine_speed": plot_engine_speed,
     "vs_vllm_cpu": bar_plot(lambda r: f"{r['engine']} {r['mode']} ({r['workload']})", "tokens_per_s", "tokens/s",

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.common import device_name, git_sha, markdown_table, say, synchronize, write_md_and_json
+from bench.common import command_line, device_name, git_sha, markdown_table, say, synchronize, write_results
 from bench.engine_speed import build_engine, hf_config
 from minedraft_ray.engine.model import ModelConfig
 
@@ -76,11 +76,12 @@ def main(argv=None) -> None:
                          "wall_ms": round(wall, 3), "device_ms": round(dev, 3),
                          "tokens_per_s": round(n * length / wall * 1e3)})
             say(markdown_table(rows[-1:], COLUMNS).splitlines()[-1])
-    text = "\n".join([f"# Prefill: graphed vs eager ({device_name(device)}, git {git_sha()})", "",
-                      markdown_table(rows, COLUMNS), ""])
-    print(text)
-    write_md_and_json(args.out, "prefill_speed", text, rows)
-
+    for row in rows:
+        row["git_sha"] = git_sha()
+    write_results(rows, args.out or "/tmp/prefill_speed", "prefill_speed", COLUMNS + ["git_sha"],
+                  "Prefill: graphed vs eager", command_line("bench.prefill_speed", argv), device_name(device),
+                  ["wall_ms: host clock from the call to its logits being ready; device_ms: CUDA events around the "
+                   "call (an eager forward's device span includes the gaps while the host launches)"])
 
 if __name__ == "__main__":
     sys.exit(main())

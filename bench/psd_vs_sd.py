@@ -52,9 +52,9 @@ INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_request
 CONFIG = ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load", "acceptance")
 TABLE = ["mode", "m", "batch", "k", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
          "tokens_per_s_per_gpu", "lat_p50_s", "lat_p99_s", "t_draft_ms", "t_verify_ms", "step_ms", "verifier_busy",
-         "ray_overhead_ms", "acceptance_length", "git_sha"]
+         "ray_overhead_ms", "acceptance_length", "transport", "git_sha"]
 ONLINE_TABLE = ["mode", "load", "rate_rps", "k", "n_gpus", "n_requests", "completed", "tokens_per_s", "lat_p50_s",
-                "lat_p99_s", "ttft_p99_s", "step_ms", "verifier_busy", "seq_share", "git_sha"]
+                "lat_p99_s", "ttft_p99_s", "step_ms", "verifier_busy", "seq_share", "transport", "git_sha"]
 GPUS_PER_REPLICA = {"psd": 2, "sd_split": 2, "sd": 1, "ar": 1}
 SEQUENTIAL = {"psd": "psd", "sd_split": "seq", "sd": "sd", "ar": "ar"}   # the regime a mode's steps run in
 EDGE_FRACTION = 0.05  # steps dropped at each end of a run before steady-state statistics
@@ -361,7 +361,14 @@ def report(rows: list[dict]) -> str:
              "median step - max(draft, verify) (psd's split) or - (draft + verify) (sequential). All over the "
              "steady state (first and last 5 % of steps, other-regime steps and steps that admitted requests "
              "left out). `tokens_per_s`: output tokens / wall time of the whole run, prefill included.", "",
-             "## Commands (each row's `git_sha` says which commit ran it)", ""]
+             "Each row stays, with the commit that measured it (`git_sha`), until a run of the same configuration "
+             "replaces it. Rows of a GPU machine are not re-run with each commit: the runtime's defaults may have "
+             "changed since (docs/design.md).", ""]
+    by_device: dict[str, set] = {}
+    for r in rows:
+        by_device.setdefault(r.get("device") or "unknown", set()).add(r.get("git_sha"))
+    lines += [f"- {device}: rows of git {', '.join(sorted(shas))}" for device, shas in sorted(by_device.items())]
+    lines += ["", "## Commands", "", "Each ran the script as it was at its commit (`git show <sha>:bench/psd_vs_sd.py`).", ""]
     for command, sha, device in sorted({(r.get("command"), r.get("git_sha"), r.get("device")) for r in rows},
                                        key=lambda x: (x[1] or "", x[0] or "")):
         lines.append(f"- `{command}` (git {sha}, {device})")
