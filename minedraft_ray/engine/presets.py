@@ -56,8 +56,8 @@ def resolve_model(spec: str | os.PathLike | None) -> str | None:
               "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **preset}
     if rope:
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    # as save_pretrained writes it: without it, older transformers 5.x releases (5.17, on the GPU machine) take a
-    # local tokenizer for one of Mistral's with a broken regex and warn on every load
+    # as save_pretrained writes it: without it, some transformers 5.x releases take a local tokenizer for one of
+    # Mistral's with a broken regex and warn on every load
     from transformers import __version__ as transformers_version
     config["transformers_version"] = transformers_version
     (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -21,13 +21,12 @@ from .model import Transformer
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 PREFILL_TOKEN_BUDGET = 8192  # padded prompt tokens per prefill forward; bounds activation memory
 # projections whose weight is kept column-major on CUDA (x @ W.T reads a contiguous [in, out] matrix): cuBLAS
-# runs them 5% faster in a batch-64 decode and within 0.5% in a k=4 verify; qkv and down are not faster so
-# (bench/results/gemm_sweep.md)
+# runs these faster that way in a decode, the others not (docs/design.md, bench/results/gemm_sweep.md)
 TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
-# Graphed prefills: prompts per call x padded length, up to PREFILL_GRAPH_TOKENS padded tokens. On an H200 an
-# eager 8B prefill of 1-4 prompts takes ~20 ms of host launches whatever their length; a graph takes its
-# device time (5.5 ms for 64 tokens, 8.3 for 192), which passes 20 ms at ~1000 tokens
-# (bench/results/prefill_speed.md). Lengths step by 1.5x-2x to bound the padding.
+# Graphed prefills: prompts per call x padded length, up to PREFILL_GRAPH_TOKENS padded tokens. An eager prefill
+# of a few short prompts costs the host's kernel launches whatever its length, a graph only its device time,
+# which overtakes the launches at about this many tokens (docs/design.md). Lengths step by 1.5x-2x to bound
+# the padding.
 PREFILL_GRAPH_ROWS = (1, 2, 4)
 PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
@@ -35,8 +34,8 @@ PREFILL_GRAPH_TOKENS = 1024
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """A host list (as `dtype`), numpy array or tensor on `device`, queued without the host waiting: on CUDA
-    the copy starts from pinned memory, the one kind of host memory a copy is asynchronous from (measured on
-    the H200: a small copy from pageable memory did not wait for queued work either, tests/test_cuda_overlap.py)."""
+    the copy starts from pinned memory, the one kind of host memory a copy is documented to be asynchronous
+    from (tests/test_cuda_overlap.py checks the queued copy on a GPU)."""
     if isinstance(values, np.ndarray):
         values = torch.from_numpy(values)
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

@@ -9,7 +9,7 @@ Ray prefixes every name with `ray_` and adds `_total` to counters, so `minedraft
 as `ray_minedraft_requests_total`; `SERIES` lists the scraped names. Every series carries the labels
 model, mode (ar, sd, sd_split, psd) and replica, plus Ray's own (WorkerId, NodeAddress, ...).
 
-Cost: never per token. A step makes five histogram observations (~3-5 us each into Ray's C++ recorder),
+Cost: never per token. A step makes five histogram observations (each a call into Ray's C++ recorder),
 a finished request three; counter increments are summed in Python and handed to Ray about once a
 second; gauges are written only when their value changes. Speculative-decoding names follow vLLM's
 (`vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`):
