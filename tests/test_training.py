@@ -3,6 +3,7 @@
 import copy
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -12,6 +13,17 @@ import torch
 
 from minedraft_ray.training import corpus
 from minedraft_ray.training import train_pair as tp
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The smoke models are tiny: with two torch threads on a shared 2-core machine (two pytest workers, Ray)
+    a training step mostly waits for the other thread, so these tests train on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 # ------------------------------------------------------------------------------------------- corpus
 
@@ -164,6 +176,7 @@ def smoke(tmp_path_factory):
     rerun_stamps = {p.name: p.stat().st_mtime_ns for p in (ckpt / "target.pt", ckpt / "draft.pt", ckpt / "prep" / "prep.json")}
     # the target once more, uninterrupted, in its own checkpoint folder
     straight = base / "straight"
+    shutil.copytree(ckpt / "prep", straight / "prep")   # the same prep: only the target's training is compared
     assert tp.main(["--smoke", "--out", str(base / "unused"), "--ckpt-dir", str(straight), "--stop-after", "target"]) == 0
     return {"out": out, "ckpt": ckpt, "interrupted": interrupted, "stamps": (stamps, rerun_stamps), "straight": straight}
 
