@@ -1,4 +1,5 @@
-"""Time attend_triton's launch configs (attention_triton.LaunchConfig) at the Llama-3.1-8B attention shape.
+"""A tuner, not a benchmark: time attend_triton's launch configs (attention_triton.LaunchConfig) at the
+Llama-3.1-8B attention shape, to pick MINEDRAFT_ATTN_CONFIG for a GPU; it keeps no result in bench/results.
 
 Hq=32, Hkv=8, D=128, bf16, 128 slots of max_len 4096; batch 64 at context 512, one decode (q=1) and one
 verify (q=5) call shape. Every config of a small grid gets 10 warm-up and 50 timed calls (CUDA events,
@@ -112,7 +113,7 @@ def sweep(shape: dict, configs: list, device: torch.device, budget_s: float) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="results folder (default bench/results; smoke: /tmp/attention_sweep)")
+    p.add_argument("--out", default="/tmp/attention_sweep", help="folder of attention_sweep.json")
     p.add_argument("--budget-s", type=float, default=45.0, help="stop starting new configs after this many seconds")
     p.add_argument("--smoke", action="store_true", help="tiny shape, 2 configs, Triton interpreter on the CPU")
     args = p.parse_args(argv)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
             print(f"\nbest q={qlen}: MINEDRAFT_ATTN_CONFIG='{top['config']}' {top['us']:.1f} us, "
                   f"{top['tbps']:.2f} TB/s (default config: {mine[0].get('us', float('nan')):.1f} us)")
 
-    out_dir = Path(args.out or ("/tmp/attention_sweep" if args.smoke else "bench/results"))
+    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "attention_sweep.json"
     shape_out = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in shape.items()}

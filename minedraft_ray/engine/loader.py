@@ -140,8 +140,8 @@ _TRANSFORMERS_IMPORT = threading.Lock()
 
 
 def load_tokenizer(path):
-    # transformers' lazy module is not thread-safe on first use: two engines built in threads at once (the
-    # benchmark's pairs) failed with "cannot import name 'AutoTokenizer'" on the GPU host (logs/stage6_sd1_cad50e3.log)
+    # transformers' lazy module is not thread-safe on first use: two engines built in threads at once (data-parallel
+    # replicas in one process) can fail with "cannot import name 'AutoTokenizer'"
     with _TRANSFORMERS_IMPORT:
         from transformers import AutoTokenizer
 
