@@ -97,6 +97,29 @@ def sample(values: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in values.items() if n == name and labels.items() <= dict(ls).items())
 
 
+# ---------------------------------------------------------------- settings (no server)
+
+def test_settings(tmp_path, monkeypatch):
+    from minedraft_ray.config import EngineConfig, is_hub_id
+    from minedraft_ray.engine.loader import load_chat_template
+
+    assert is_hub_id("Qwen/Qwen3-8B") and is_hub_id("meta-llama/Llama-3.1-8B-Instruct")
+    assert not any(is_hub_id(s) for s in ("/models/x", "Qwen3-8B", "a/b/c", "random:tiny", "../x", str(tmp_path)))
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "local").mkdir()
+    monkeypatch.chdir(tmp_path)   # an existing relative folder wins over the Hub id it looks like
+    assert not is_hub_id("org/local")
+    config = EngineConfig.from_env({"target": "Qwen/Qwen3-8B", "draft": "Qwen/Qwen3-0.6B"},
+                                   environ={"MINEDRAFT_CORS_ALLOW_ORIGINS": "https://a.example, https://b.example"})
+    assert config.served_model_name == "Qwen/Qwen3-8B"
+    assert config.cors_allow_origins == ["https://a.example", "https://b.example"]
+    assert EngineConfig().cors_allow_origins == []
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == TEMPLATE == load_chat_template(TEMPLATE)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
 # ---------------------------------------------------------------- models by Hub id, chat template
 
 def test_hub_ids_are_served_from_the_cache(client, hf_home):

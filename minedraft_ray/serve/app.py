@@ -626,6 +626,9 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
     resolve_model(config.target, config.revision, config.download_dir)
     resolve_model(config.draft, config.draft_revision, config.download_dir)
+    if config.chat_template:   # the text travels, not a path that may exist only here
+        from ..engine.loader import load_chat_template
+        config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
     hub_env = hub_env_vars()
     bundles = make_bundles(config.mode)
     engine = EngineServer.options(
