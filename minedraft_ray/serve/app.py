@@ -163,11 +163,13 @@ class Choice:
     """One output sequence: an engine stream plus the text built from it."""
 
     def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
-                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer | None = None):
+                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
         self.timer = timer
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.last_token: int | None = None
         self.logprobs: list[dict] = []
         self.sent_tokens = 0
@@ -208,6 +210,9 @@ class Choice:
             return None
         if self.text.stop_string is not None:
             return self.text.stop_string
+        # as vLLM: EOS first (a stop token id that is EOS too reports None)
+        if self.last_token in self.eos_token_ids:
+            return None
         return self.last_token if self.last_token in self.params.stop_token_ids else None
 
     async def events(self):
@@ -312,10 +317,12 @@ def _sse(data: dict | str) -> str:
 class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
         from ..engine.loader import load_chat_template, load_tokenizer
+        from ..engine.model import ModelConfig
 
         self.engine = engine
         self.config = with_local_models(EngineConfig.model_validate(config))
         self.tokenizer = load_tokenizer(self.config.target)
+        self.eos_token_ids = frozenset(ModelConfig.from_pretrained(self.config.target).eos_token_ids)
         if self.config.chat_template:
             self.tokenizer.chat_template = load_chat_template(self.config.chat_template)
         configure_cors(self.config.cors_allow_origins)
@@ -393,7 +400,7 @@ class OpenAIServer:
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
                 choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
-                                      self.metrics.request(len(prompt))))
+                                      self.metrics.request(len(prompt)), self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
