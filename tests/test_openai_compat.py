@@ -26,7 +26,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 KEY = "sekret-compat"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ORIGIN = "https://ui.example"
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{% if persona is defined %}({{ persona }}) {% endif %}"
+            "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
 REPO = Path(__file__).resolve().parent.parent
 
@@ -221,6 +222,7 @@ def test_each_ignored_field_is_logged_once(server, client, ray_cluster):
     ("cmpl", {"extra_body": {"min_tokens": 4}}, "min_tokens"),
     ("cmpl", {"extra_body": {"include_stop_str_in_output": True}}, "include_stop_str_in_output"),
     ("cmpl", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ("chat", {"extra_body": {"chat_template_kwargs": {"chat_template": "{{ 'owned' }}"}}}, "chat_template_kwargs"),
 ])
 def test_meaning_changing_fields_are_a_clear_400(client, kind, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -229,8 +231,18 @@ def test_meaning_changing_fields_are_a_clear_400(client, kind, kw, param):
                                            max_tokens=2, **kw)
         else:
             client.completions.create(model=TARGET_ID, prompt="hi", max_tokens=2, **kw)
-    assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter"
-    assert "docs/openai-compat.md" in e.value.body["message"]
+    assert e.value.body["param"] == param
+    if param != "chat_template_kwargs":
+        assert e.value.body["code"] == "unsupported_parameter" and "docs/openai-compat.md" in e.value.body["message"]
+
+
+def test_chat_template_kwargs_reach_the_template(client, tok):
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=TARGET_ID, messages=messages, max_tokens=1)
+    assert plain.usage.prompt_tokens == len(tok.encode("[user] hi\n[assistant] ", add_special_tokens=False))
+    out = client.chat.completions.create(model=TARGET_ID, messages=messages, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"persona": "pirate"}})
+    assert out.usage.prompt_tokens == len(tok.encode("(pirate) [user] hi\n[assistant] ", add_special_tokens=False))
 
 
 # ---------------------------------------------------------------- responses

@@ -163,7 +163,7 @@ class Choice:
     """One output sequence: an engine stream plus the text built from it."""
 
     def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
-                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer | None = None,
+                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
                  eos_token_ids: frozenset[int] = frozenset()):
         self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
         self.request_id = request_id
@@ -190,8 +190,7 @@ class Choice:
             self.logprobs += out.logprobs
         if out.new_token_ids:
             self.last_token = out.new_token_ids[-1]
-            if self.timer is not None:
-                self.timer.on_tokens(len(out.new_token_ids))
+            self.timer.on_tokens(len(out.new_token_ids))
         stopped = self.text.add(out.new_token_ids)
         if out.finished:
             self.stats, self.done = out.stats, True
@@ -227,8 +226,7 @@ class Choice:
             self.sent_tokens = tokens
             if self.text.finished:
                 event.finish_reason, event.stats, event.stop_reason = self.finish_reason, self.stats, self.stop_reason
-                if self.timer is not None:
-                    self.timer.on_finished(self.finish_reason, self.stats)
+                self.timer.on_finished(self.finish_reason, self.stats)
                 yield event
                 return
             if chunk or event.logprobs:
@@ -262,8 +260,7 @@ class Choice:
         if self.stream is not None and not self.done:
             self.stream.cancel()   # the engine replica sees CancelledError and aborts the request
             self.done = True
-        if self.timer is not None:
-            self.timer.on_finished("abort", None)   # no-op after a finish; else the client went away
+        self.timer.on_finished("abort", None)   # no-op after a finish; else the client went away
 
     @property
     def num_tokens(self) -> int:
@@ -408,6 +405,7 @@ class OpenAIServer:
             await asyncio.gather(*(c.accepted() for c in choices))
         except BaseException as e:
             for c in choices:
+                c.timer.refused()   # no request of vLLM's series: the client gets an error instead
                 c.close()
             raise engine_error(e) or e
         return choices
@@ -566,9 +564,10 @@ class OpenAIServer:
                            param="messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        variables = req.chat_template_variables()
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                      **(req.chat_template_kwargs or {}))
+                                                      **variables)
         except Exception as e:  # templates raise on e.g. roles out of order
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -81,6 +81,11 @@ IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "
            "documents", "return_tokens_as_token_ids", "return_token_ids", "request_id")
 
 
+# transformers' apply_chat_template parameters (and the template's own inputs) that a client may not set
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "chat_template", "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"))
 UNSUPPORTED_HINT = (" (not implemented by this server, and ignoring them would change the answer: penalties, min_p, "
                     "min_tokens and logit_bias are accepted at their no-op values only (0; 1 for repetition_penalty; "
                     "{}), tools with tool_choice \"none\", response_format {\"type\": \"text\"}; see "
@@ -238,6 +243,16 @@ class ChatCompletionRequest(_CommonRequest):
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
+
+    def chat_template_variables(self) -> dict[str, Any]:
+        """chat_template_kwargs as template variables. Names of apply_chat_template's own parameters are refused:
+        they would replace the server's template (chat_template), offer tools, or change what is rendered."""
+        variables = self.chat_template_kwargs or {}
+        reserved = sorted(set(variables) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set per request",
+                           param="chat_template_kwargs")
+        return variables
 
     @property
     def max_new_tokens(self) -> int | None:

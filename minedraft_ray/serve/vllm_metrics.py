@@ -122,6 +122,10 @@ class RequestTimer:
         self.last_token = now
         m.generation_tokens.inc(n)
 
+    def refused(self) -> None:
+        """The engine refused the request (e.g. its queue was full): it is no request of these series."""
+        self.done = True
+
     def on_finished(self, finish_reason: str, stats: dict | None) -> None:
         """The request ended (finish_reason: stop, length or abort); stats: the engine's RequestStats."""
         if self.done:
