@@ -121,6 +121,23 @@ def test_settings(tmp_path, monkeypatch):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def test_ignored_field_names_are_bounded(caplog):
+    """Field names come from clients: a flood of made-up names gets neither new log lines nor new series."""
+    from minedraft_ray.serve.compat import IgnoredFields
+    from minedraft_ray.serve.vllm_metrics import APIMetrics
+
+    metrics = APIMetrics("m", num_spec_tokens=2)
+    ignored = IgnoredFields(metrics.ignored_fields, max_names=3)
+    with caplog.at_level("WARNING", logger="minedraft.serve"):
+        for _ in range(2):
+            ignored.note("completions", ["store", "a", "b", "c", "d", "bad name!"])
+    assert [r.getMessage().split("'")[1] for r in caplog.records] == ["store", "a", "b"]
+    text = metrics.render().decode()
+    fields = set(re.findall(r'minedraft_api_ignored_fields_total\{endpoint="completions",field="([^"]+)"\}', text))
+    assert fields == {"store", "a", "b", "other"}
+    assert 'field="other"} 6.0' in text
+
+
 # ---------------------------------------------------------------- models by Hub id, chat template
 
 def test_hub_ids_are_served_from_the_cache(client, hf_home):
