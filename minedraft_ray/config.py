@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,12 +24,35 @@ def default_draft() -> str:
     return str(ASSETS / "default-draft")
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
+
+
+def is_hub_id(spec: str | os.PathLike | None) -> bool:
+    """A Hugging Face Hub repo id ("org/name") that is not an existing local path (a local folder wins, as in
+    transformers and vLLM)."""
+    if spec is None:
+        return False
+    spec = str(spec)
+    return bool(_HUB_ID.fullmatch(spec)) and ".." not in spec and not os.path.exists(spec)
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    target: str = Field(default_factory=default_target, description="target model folder (HF format)")
-    draft: str | None = Field(default_factory=default_draft, description="draft model folder (HF format)")
-    model_name: str | None = Field(None, description="model id served by the API (default: target folder name)")
+    target: str = Field(default_factory=default_target, description="target model: a folder (HF format) or a "
+                        "Hugging Face Hub id such as Qwen/Qwen3-8B")
+    draft: str | None = Field(default_factory=default_draft, description="draft model: a folder or a Hub id")
+    model_name: str | None = Field(None, description="model id served by the API (default: the target's Hub id, or "
+                                   "its folder name)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a target given by Hub id "
+                                 "(default: main)")
+    draft_revision: str | None = Field(None, description="Hub revision of a draft given by Hub id (default: main)")
+    download_dir: str | None = Field(None, description="Hugging Face cache folder for Hub ids (default: HF_HUB_CACHE, "
+                                     "else HF_HOME/hub); HF_HUB_OFFLINE=1 uses only what is there")
+    chat_template: str | None = Field(None, description="chat template overriding the tokenizer's: a file path or "
+                                      "the Jinja text itself")
+    cors_allow_origins: list[str] = Field([], description="origins allowed to call the API from a "
+                                          "browser (CORS), comma-separated; '*' any; empty: CORS off")
     mode: Mode = Field("psd", description="ar | sd | sd_split | psd")
     k: int = Field(4, ge=1, le=8, description="draft tokens per verify step")
     max_batch: int = Field(8, ge=1, le=512, description="requests per verify step (psd holds 2x)")
@@ -74,6 +98,11 @@ class EngineConfig(BaseModel):
     def _path_to_str(cls, value):
         return str(value) if isinstance(value, os.PathLike) else value
 
+    @field_validator("cors_allow_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value):   # a flag or MINEDRAFT_CORS_ALLOW_ORIGINS: "https://a.example,https://b.example"
+        return [o.strip() for o in value.split(",") if o.strip()] if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self):
         if self.mode != "ar" and not self.draft:
@@ -89,7 +118,9 @@ class EngineConfig(BaseModel):
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        return DEFAULT_MODEL_NAME if self.target == default_target() else Path(self.target).name
+        if self.target == default_target():
+            return DEFAULT_MODEL_NAME
+        return self.target if is_hub_id(self.target) else Path(self.target).name
 
     @property
     def uses_drafter(self) -> bool:

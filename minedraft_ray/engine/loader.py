@@ -151,6 +151,19 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's --chat-template)."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:   # a long inline template is no valid path
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise FileNotFoundError(f"chat template {value!r}: no such file, and it is no Jinja template either")
+
+
 def _merges(path: Path) -> list[tuple[str, ...]] | None:
     file = path / "tokenizer.json"
     if not file.is_file():

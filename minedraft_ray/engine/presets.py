@@ -37,10 +37,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("MINEDRAFT_CACHE", Path.home() / ".cache" / "minedraft"))
 
 
-def resolve_model(spec: str | os.PathLike | None) -> str | None:
-    """A model folder for `spec`: a path is returned as is; `random:<preset>` is materialised once."""
+def resolve_model(spec: str | os.PathLike | None, revision: str | None = None,
+                  download_dir: str | os.PathLike | None = None) -> str | None:
+    """A model folder for `spec`: a path is returned as is; `random:<preset>` is materialised once; a Hub id
+    ("org/name") is the snapshot that engine/hub.py downloads or finds in the cache."""
     if spec is None or not str(spec).startswith(RANDOM_PREFIX):
-        return None if spec is None else str(spec)
+        from .hub import resolve_hub_model
+        return resolve_hub_model(spec, revision, download_dir)
     name = str(spec)[len(RANDOM_PREFIX):]
     if name not in PRESETS:
         raise ValueError(f"unknown random preset {name!r}; known: {sorted(PRESETS)}")

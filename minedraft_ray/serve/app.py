@@ -26,12 +26,12 @@ import json
 import logging
 import os
 import time
-import uuid
+import weakref
 from contextlib import suppress
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
@@ -40,13 +40,17 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig
+from ..engine.hub import with_local_models
 from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
 from ..runtime.placement import STRATEGY, make_bundles
+from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
+from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .vllm_metrics import APIMetrics, RequestTimer
 
 log = logging.getLogger("minedraft.serve")
 
@@ -61,7 +65,7 @@ ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, 
                   graceful_shutdown_timeout_s=30)
 class EngineServer:
     async def __init__(self, config: dict):
-        self.manager = BatchManager(EngineConfig.model_validate(config))
+        self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)))
         await self.manager.start()
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
@@ -109,6 +113,7 @@ class EngineServer:
 # ---------------------------------------------------------------- ingress
 
 api = FastAPI(title="minedraft", description="OpenAI-compatible API over MineDraft speculative decoding")
+api.add_middleware(ConfiguredCORSMiddleware)   # outermost: preflights are answered before anything else
 
 
 @api.exception_handler(APIError)
@@ -151,16 +156,21 @@ class Event:
     first_token: int              # index of logprobs[0] among the choice's output tokens
     finish_reason: str | None = None
     stats: dict | None = None
+    stop_reason: str | int | None = None
 
 
 class Choice:
     """One output sequence: an engine stream plus the text built from it."""
 
     def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
-                 stop: list[str], request_id: str, tokenizer):
+                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
         self.request_id = request_id
-        self.text = OutputText(tokenizer, prompt_ids, stop)
+        self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
+        self.timer = timer
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.last_token: int | None = None
         self.logprobs: list[dict] = []
         self.sent_tokens = 0
         self.finish_reason: str | None = None
@@ -178,14 +188,31 @@ class Choice:
     def _apply(self, out: StepOutput) -> None:
         if out.logprobs:
             self.logprobs += out.logprobs
+        if out.new_token_ids:
+            self.last_token = out.new_token_ids[-1]
+            self.timer.on_tokens(len(out.new_token_ids))
         stopped = self.text.add(out.new_token_ids)
         if out.finished:
             self.stats, self.done = out.stats, True
             if not stopped:
                 self.text.finish()
-                self.finish_reason = out.finish_reason
+                # vLLM's reasons: an output that ends otherwise than by a stop or max_tokens was aborted
+                self.finish_reason = out.finish_reason if out.finish_reason in ("stop", "length") else "abort"
         if stopped:
             self.finish_reason = "stop"
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the output; None for EOS,
+        max_tokens and aborts."""
+        if self.finish_reason != "stop":
+            return None
+        if self.text.stop_string is not None:
+            return self.text.stop_string
+        # as vLLM: EOS first (a stop token id that is EOS too reports None)
+        if self.last_token in self.eos_token_ids:
+            return None
+        return self.last_token if self.last_token in self.params.stop_token_ids else None
 
     async def events(self):
         """Yields Events until the choice ends (EOS, max_tokens or a stop string)."""
@@ -198,7 +225,8 @@ class Choice:
             event = Event(self.index, chunk, self.logprobs[self.sent_tokens:tokens], self.sent_tokens)
             self.sent_tokens = tokens
             if self.text.finished:
-                event.finish_reason, event.stats = self.finish_reason, self.stats
+                event.finish_reason, event.stats, event.stop_reason = self.finish_reason, self.stats, self.stop_reason
+                self.timer.on_finished(self.finish_reason, self.stats)
                 yield event
                 return
             if chunk or event.logprobs:
@@ -232,6 +260,7 @@ class Choice:
         if self.stream is not None and not self.done:
             self.stream.cancel()   # the engine replica sees CancelledError and aborts the request
             self.done = True
+        self.timer.on_finished("abort", None)   # no-op after a finish; else the client went away
 
     @property
     def num_tokens(self) -> int:
@@ -284,11 +313,20 @@ def _sse(data: dict | str) -> str:
 @serve.ingress(api)
 class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
-        from ..engine.loader import load_tokenizer
+        from ..engine.loader import load_chat_template, load_tokenizer
+        from ..engine.model import ModelConfig
 
         self.engine = engine
-        self.config = EngineConfig.model_validate(config)
-        self.tokenizer = load_tokenizer(resolve_model(self.config.target))
+        self.config = with_local_models(EngineConfig.model_validate(config))
+        self.tokenizer = load_tokenizer(self.config.target)
+        self.eos_token_ids = frozenset(ModelConfig.from_pretrained(self.config.target).eos_token_ids)
+        if self.config.chat_template:
+            self.tokenizer.chat_template = load_chat_template(self.config.chat_template)
+        configure_cors(self.config.cors_allow_origins)
+        self.metrics = APIMetrics(self.config.served_model_name, self.config.k, self.config.uses_drafter)
+        self.ignored = IgnoredFields(self.metrics.ignored_fields)
+        # engine request id -> its Choice while one exists: ids in use get no second request
+        self.choices: weakref.WeakValueDictionary[str, Choice] = weakref.WeakValueDictionary()
         self.strings = TokenStrings(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.model_name = self.config.served_model_name
@@ -317,7 +355,7 @@ class OpenAIServer:
                            "not_found_error", param="model", code="model_not_found")
 
     def _params(self, req, prompt_len: int, max_tokens: int | None, num_logprobs: int | None, param: str,
-                seed: int | None, limit: int) -> SamplingParams:
+                seed: int | None, limit: int, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         if prompt_len == 0:
             raise APIError(400, "The prompt is empty.", param=param)
         if prompt_len >= limit:
@@ -332,6 +370,7 @@ class OpenAIServer:
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(req.top_k or 0, 0), max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
+            stop_token_ids=stop_token_ids,
             # the engine is asked for >= 1 top entries so that it returns token logprobs even for top-0
             logprobs=None if num_logprobs is None else max(num_logprobs, 1))
         try:
@@ -341,33 +380,38 @@ class OpenAIServer:
         return params
 
     async def _start(self, prompts: list[list[int]], req, max_tokens: int | None, num_logprobs: int | None,
-                     param: str) -> list[Choice]:
+                     param: str, request_id: str) -> list[Choice]:
         """One Choice per (prompt, n): choice i of a prompt gets seed + i. Raises if the engine refuses any."""
         if len(prompts) * req.n > self.config.max_running:
             raise APIError(400, f"n x prompts = {len(prompts) * req.n} exceeds the {self.config.max_running} "
                            "requests this engine runs at once.", param="n")
         stop = req.stop_strings()
+        stop_token_ids = req.stop_token_id_set(self.vocab_size)
         limit = await self._context_limit()
-        base = f"{uuid.uuid4().hex}"
+        base = engine_request_base(request_id, lambda b: any(f"{b}-{i}" in self.choices
+                                                             for i in range(len(prompts) * req.n)))
         choices = []
         for p, prompt in enumerate(prompts):
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit)
+                params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
-                choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer))
+                choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
+                                      self.metrics.request(len(prompt)), self.eos_token_ids))
+                self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
         try:
             await asyncio.gather(*(c.accepted() for c in choices))
         except BaseException as e:
             for c in choices:
+                c.timer.refused()   # no request of vLLM's series: the client gets an error instead
                 c.close()
             raise engine_error(e) or e
         return choices
 
-    async def _respond(self, req, choices: list[Choice], prompt_tokens: int, kind: str):
-        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex
+    async def _respond(self, req, choices: list[Choice], prompt_tokens: int, kind: str, request_id: str):
+        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + request_id
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
         num_top = self._num_top(req)
         if req.stream:
@@ -385,7 +429,8 @@ class OpenAIServer:
         out = []
         for c in choices:
             text = "".join(texts[c.index])
-            entry = {"index": c.index, "finish_reason": finals[c.index].finish_reason}
+            entry = {"index": c.index, "finish_reason": finals[c.index].finish_reason,
+                     "stop_reason": finals[c.index].stop_reason}
             lps = self._logprobs(c, c.logprobs[:c.num_tokens], 0, num_top, kind)
             if kind == "text_completion":
                 entry.update(text=text, logprobs=lps)
@@ -414,6 +459,7 @@ class OpenAIServer:
                 else:
                     choice.update(text=ev.text, logprobs=lps)
                 choice["finish_reason"] = ev.finish_reason
+                choice["stop_reason"] = ev.stop_reason
                 chunk = {**head, "choices": [choice]}
                 if ev.finish_reason:
                     chunk["minedraft"] = spec_stats([ev.stats], self.config.mode, self.config.k)
@@ -462,6 +508,17 @@ class OpenAIServer:
         self._authorize(request)
         return await self.engine.info.remote()
 
+    @api.get("/metrics")
+    async def metrics_endpoint(self, request: Request):
+        """vLLM's series in Prometheus text format (serve/vllm_metrics.py); the engine's queue state is read now."""
+        self._authorize(request)
+        try:
+            state = await asyncio.wait_for(self.engine.info.remote(), 10)
+            self.metrics.set_engine_state(state["running"], state["queued"])
+        except Exception as e:   # an unreachable engine must not hide the ingress's series
+            log.warning("/metrics: engine state unavailable: %r", e)
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
@@ -469,8 +526,10 @@ class OpenAIServer:
         req.check()
         self._check_model(req.model)
         prompts = self._completion_prompts(req.prompt)
-        choices = await self._start(prompts, req, req.max_tokens, req.logprobs, "prompt")
-        return await self._respond(req, choices, sum(map(len, prompts)), "text_completion")
+        self.ignored.note("completions", req.ignored_fields())
+        request_id = request_id_of(request.scope)
+        choices = await self._start(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id)
+        return await self._respond(req, choices, sum(map(len, prompts)), "text_completion", request_id)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -478,9 +537,11 @@ class OpenAIServer:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
         req.check()
         self._check_model(req.model)
+        self.ignored.note("chat/completions", req.ignored_fields())
         prompt = self._chat_prompt(req)
-        choices = await self._start([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages")
-        return await self._respond(req, choices, len(prompt), "chat.completion")
+        request_id = request_id_of(request.scope)
+        choices = await self._start([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages", request_id)
+        return await self._respond(req, choices, len(prompt), "chat.completion", request_id)
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -503,8 +564,10 @@ class OpenAIServer:
                            param="messages")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        variables = req.chat_template_variables()
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **variables)
         except Exception as e:  # templates raise on e.g. roles out of order
             raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -546,6 +609,16 @@ def replica_options(config: EngineConfig) -> dict:
         "max_replicas": config.max_replicas, "target_ongoing_requests": config.max_running}}
 
 
+HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
+
+
+def hub_env_vars() -> dict:
+    """The Hugging Face settings of the process that builds the app, for the replicas that resolve Hub ids: they
+    run in Ray workers, whose environment is the cluster's. Tokens are not forwarded (the cluster's own apply)."""
+    env = {name: os.environ[name] for name in HUB_ENV if name in os.environ}
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def build_app(args: dict | None = None):
     """Serve application builder (`import_path: minedraft_ray.serve.app:build_app`).
 
@@ -556,15 +629,20 @@ def build_app(args: dict | None = None):
 
 def build_app_with_key(args: dict | None, api_key: str | None):
     config = load_config(args)
-    for model in (config.target, config.draft):   # materialise random:<preset> folders before the replicas race
-        resolve_model(model)
+    # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
+    resolve_model(config.target, config.revision, config.download_dir)
+    resolve_model(config.draft, config.draft_revision, config.download_dir)
+    if config.chat_template:   # the text travels, not a path that may exist only here
+        from ..engine.loader import load_chat_template
+        config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
+    hub_env = hub_env_vars()
     bundles = make_bundles(config.mode)
     engine = EngineServer.options(
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
-        ray_actor_options={"num_cpus": bundles[0].get("CPU", 0)}, **serve_limits(config),
+        ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), **hub_env}, **serve_limits(config),
         **replica_options(config),
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
-    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1}, **serve_limits(config, replicas)).bind(
+    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1, **hub_env}, **serve_limits(config, replicas)).bind(
         engine, config.model_dump(), key_hash)

@@ -64,9 +64,13 @@ class OutputText:
     back wait in `pending`. After a stop string, `text`, `num_tokens` and `token_ends` describe only what
     is kept."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | tuple[str, ...] = (),
+                 stop_token_ids: tuple[int, ...] | frozenset[int] = ()):
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = tuple(s for s in stop if s)
+        # the engine ends the output at a stop token id: that token counts, its text is left out (as vLLM)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_string: str | None = None   # the stop string that ended the output
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.token_ends: list[int] = []
@@ -84,7 +88,7 @@ class OutputText:
         for tok in token_ids:
             if self.stopped:
                 break
-            self._append(self.detok.push(tok), new_tokens=1)
+            self._append("" if tok in self.stop_token_ids else self.detok.push(tok), new_tokens=1)
         return self.stopped
 
     def finish(self) -> None:
@@ -108,10 +112,10 @@ class OutputText:
             self._find_stop(max(0, start - self.max_stop + 1))
 
     def _find_stop(self, search_from: int) -> None:
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if not hits:
             return
-        cut = min(hits)
+        cut, self.stop_string = min(hits, key=lambda hit: hit[0])
         self.text = self.text[:cut]
         # keep the fewest leading tokens whose text reaches `cut`
         keep = next((i + 1 for i, end in enumerate(self.token_ends) if end >= cut), 0) if cut else 0
