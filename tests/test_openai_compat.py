@@ -348,7 +348,7 @@ def test_finish_reason_abort(server, client):
     first = next(chunks)
     assert first.choices[0].finish_reason is None
     live = scrape(server)   # the engine's state while the request runs
-    assert sample(live, "vllm:num_requests_running") == 1 and sample(live, "vllm:num_requests_waiting") == 0
+    assert sample(live, "vllm:num_requests_running") >= 1 and sample(live, "vllm:num_requests_waiting") == 0
     assert 0 < sample(live, "vllm:kv_cache_usage_perc") <= 1
     assert serve.get_deployment_handle("MineDraftEngine", app_name="compat").abort.remote(engine_id).result()
     last = [c for c in chunks if c.choices][-1].choices[0]
