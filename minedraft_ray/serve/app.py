@@ -514,7 +514,7 @@ class OpenAIServer:
         self._authorize(request)
         try:
             state = await asyncio.wait_for(self.engine.info.remote(), 10)
-            self.metrics.set_engine_state(state["running"], state["queued"])
+            self.metrics.set_engine_state(state)
         except Exception as e:   # an unreachable engine must not hide the ingress's series
             log.warning("/metrics: engine state unavailable: %r", e)
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)

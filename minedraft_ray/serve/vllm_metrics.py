@@ -13,7 +13,8 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
 - prompt tokens when the first token arrives (the prefill is done), generation tokens as they arrive;
 - spec-decode counters from each request's final stats (vLLM counts them per step; the totals agree, but a
   request whose client went away before it finished is not counted here);
-- running and waiting requests: the engine's own counts (BatchManager.info), read at each scrape.
+- running and waiting requests, KV-cache usage (KV slots held / slots): the engine's own state
+  (BatchManager.info), read at each scrape.
 
 The project's own series (`ray_minedraft_*`, docs/observability.md) stay where they are, on Ray's metrics
 export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored).
@@ -40,6 +41,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 VLLM_SERIES = {
     "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
     "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
     "vllm:request_success": ("counter", "Count of successfully processed requests."),
@@ -66,6 +68,7 @@ class APIMetrics:
 
         self.running = make(Gauge, "vllm:num_requests_running").labels(**labels)
         self.waiting = make(Gauge, "vllm:num_requests_waiting").labels(**labels)
+        self.kv_cache_usage = make(Gauge, "vllm:kv_cache_usage_perc").labels(**labels)
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens").labels(**labels)
         self.generation_tokens = make(Counter, "vllm:generation_tokens").labels(**labels)
         success = make(Counter, "vllm:request_success", ("finished_reason",))
@@ -91,9 +94,12 @@ class APIMetrics:
     def request(self, prompt_tokens: int) -> "RequestTimer":
         return RequestTimer(self, prompt_tokens)
 
-    def set_engine_state(self, running: int, waiting: int) -> None:
-        self.running.set(running)
-        self.waiting.set(waiting)
+    def set_engine_state(self, info: dict) -> None:
+        """From BatchManager.info(). KV usage is the share of KV slots held: each slot preallocates max_len
+        tokens, so that is the share of the KV cache's memory in use (vLLM: of its blocks)."""
+        self.running.set(info["running"])
+        self.waiting.set(info["queued"])
+        self.kv_cache_usage.set(info["slots_in_use"] / info["num_slots"] if info.get("num_slots") else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
