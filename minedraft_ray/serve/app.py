@@ -56,6 +56,7 @@ log = logging.getLogger("minedraft.serve")
 
 API_KEY_ENV = "MINEDRAFT_API_KEY"
 CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
+INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling adds one
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
 
 
@@ -309,7 +310,7 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-@serve.deployment(name="OpenAIServer", num_replicas=1)
+@serve.deployment(name="OpenAIServer")
 @serve.ingress(api)
 class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
@@ -609,6 +610,17 @@ def replica_options(config: EngineConfig) -> dict:
         "max_replicas": config.max_replicas, "target_ongoing_requests": config.max_running}}
 
 
+def ingress_options(config: EngineConfig) -> dict:
+    """A fixed number of ingress replicas, or autoscaling up to ingress_max_replicas. Every stream of every engine
+    replica passes through an ingress replica (detokenizing and SSE framing per chunk), so it scales with the
+    streams it carries: a replica is full at INGRESS_TARGET_STREAMS ongoing requests."""
+    if config.ingress_max_replicas is None:
+        return {"num_replicas": config.ingress_replicas}
+    return {"autoscaling_config": {"min_replicas": 1, "initial_replicas": config.ingress_replicas,
+                                   "max_replicas": config.ingress_max_replicas,
+                                   "target_ongoing_requests": INGRESS_TARGET_STREAMS}}
+
+
 HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
 
 
@@ -644,5 +656,6 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
-    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1, **hub_env}, **serve_limits(config, replicas)).bind(
+    return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
+                                **serve_limits(config, replicas), **ingress_options(config)).bind(
         engine, config.model_dump(), key_hash)
