@@ -38,7 +38,7 @@ CONFIG = ("mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "w
 COLUMNS = ["mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
-           "completed", "errors", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
+           "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
 TABLE_COLUMNS = ["mode", "k", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "chunk_gap_p50_ms",

@@ -47,6 +47,7 @@ from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedErr
 from ..runtime.placement import STRATEGY, make_bundles
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
+from .streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -68,23 +69,35 @@ class EngineServer:
     async def __init__(self, config: dict):
         self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)))
         await self.manager.start()
+        self.mailbox_key = serve.get_replica_context().replica_id.unique_id
+        self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
-        """StepOutputs of one request. The first item comes at once: an empty StepOutput once the request is
-        queued (so the ingress can answer 200 and start streaming), or the error that refused it."""
-        stream = self.manager.generate(prompt_ids, params, request_id)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
+        """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer
+        200 and start streaming), or the error that refused it; its outputs go to `subscriber` (the ingress replica)
+        through the mailbox. The stream stays open while the request runs: cancelling it aborts the request."""
+        stream = self.manager.generate(prompt_ids, params, request_id, interval_s=0.0)   # batched here instead
         # generate() checks the queue and registers the request in its first step, before any await:
         # one pass of the loop runs it, so refusals (overload, dead engine, bad request) raise right here
         first = asyncio.ensure_future(anext(stream))
+        accepted = False
         try:
             await asyncio.sleep(0)
-            if not first.done():
-                yield StepOutput(request_id, [])
+            if first.done() and first.exception() is not None:
+                raise first.exception()
+            accepted = True
+            yield Accepted(self.outputs.mailbox, self.mailbox_key)
             out = await first
-            yield out
-            if not out.finished:
-                async for out in stream:
-                    yield out
+            self.outputs.put(subscriber, out, urgent=True)
+            while not out.finished:
+                out = await anext(stream)
+                self.outputs.put(subscriber, out)
+        except Exception as e:
+            if not accepted:
+                raise   # refused: the error is the stream's first item
+            # accepted, then the engine failed: in band (the ingress reads only the mailbox now), to fail the request
+            self.outputs.put(subscriber, StepOutput(request_id, [], None, True, "abort", None,
+                                                    str(e) if isinstance(e, EngineDeadError) else repr(e)))
         finally:  # cancelled by a disconnect or a stop string: closing the stream aborts the request
             first.cancel()
             with suppress(BaseException):
@@ -163,10 +176,10 @@ class Event:
 class Choice:
     """One output sequence: an engine stream plus the text built from it."""
 
-    def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
-                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
+    def __init__(self, engine: DeploymentHandle, router: StreamRouter, index: int, prompt_ids: list[int],
+                 params: SamplingParams, stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
                  eos_token_ids: frozenset[int] = frozenset()):
-        self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
+        self.engine, self.router, self.index, self.prompt_ids, self.params = engine, router, index, prompt_ids, params
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
         self.timer = timer
@@ -176,15 +189,27 @@ class Choice:
         self.sent_tokens = 0
         self.finish_reason: str | None = None
         self.stats: dict | None = None
-        self.stream = None
+        self.stream = None            # the request's Serve call: open while it runs, cancelled to abort it
+        self.outputs: asyncio.Queue | None = None
         self.done = False
 
     def submit(self) -> None:
-        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id)
+        self.outputs = self.router.open(self.request_id)
+        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id,
+                                                                       self.router.subscriber)
 
     async def accepted(self) -> None:
-        """The engine's first answer: an empty StepOutput once queued, or the error that refused the request."""
-        self._apply(await self.stream.__anext__())
+        """The engine's first answer: Accepted once queued, or the error that refused the request."""
+        self.router.watch(self.request_id, await self.stream.__anext__())
+
+    async def _next_output(self) -> StepOutput:
+        """The next output, merged with any that queued up behind it (one event for what came in one batch)."""
+        out = await self.outputs.get()
+        while not out.finished and not self.outputs.empty():
+            out = merge_outputs(out, self.outputs.get_nowait())
+        if out.error:
+            raise EngineDeadError(out.error)
+        return out
 
     def _apply(self, out: StepOutput) -> None:
         if out.logprobs:
@@ -232,11 +257,7 @@ class Choice:
                 return
             if chunk or event.logprobs:
                 yield event
-            try:
-                out = await self.stream.__anext__()
-            except StopAsyncIteration:
-                raise EngineDeadError("the engine stream ended without a final output") from None
-            self._apply(out)
+            self._apply(await self._next_output())
 
     async def _abort(self) -> None:
         """Stop the engine request after a stop string, keeping its stats from the final output.
@@ -247,13 +268,12 @@ class Choice:
         async def drain():
             if not await self.engine.abort.remote(self.request_id):
                 raise LookupError(self.request_id)
-            async for out in self.stream:
-                if out.finished:
-                    self.stats, self.done = out.stats, True
-                    return
+            while not (out := await self._next_output()).finished:
+                pass
+            self.stats, self.done = out.stats, True
         try:
             await asyncio.wait_for(drain(), ABORT_DRAIN_S)
-        except (asyncio.TimeoutError, StopAsyncIteration, LookupError):
+        except (asyncio.TimeoutError, LookupError, EngineDeadError):
             self.close()
         self.done = True
 
@@ -261,6 +281,7 @@ class Choice:
         if self.stream is not None and not self.done:
             self.stream.cancel()   # the engine replica sees CancelledError and aborts the request
             self.done = True
+        self.router.close(self.request_id)
         self.timer.on_finished("abort", None)   # no-op after a finish; else the client went away
 
     @property
@@ -328,6 +349,7 @@ class OpenAIServer:
         self.ignored = IgnoredFields(self.metrics.ignored_fields)
         # engine request id -> its Choice while one exists: ids in use get no second request
         self.choices: weakref.WeakValueDictionary[str, Choice] = weakref.WeakValueDictionary()
+        self.router = StreamRouter(serve.get_replica_context().replica_id.unique_id)
         self.strings = TokenStrings(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.model_name = self.config.served_model_name
@@ -397,7 +419,7 @@ class OpenAIServer:
                 seed = None if req.seed is None else req.seed + i
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
-                choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
+                choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
                                       self.metrics.request(len(prompt)), self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
