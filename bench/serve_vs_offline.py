@@ -78,11 +78,13 @@ async def _completion(session, shard: Shard, prompt: list[int], send_at: float) 
             if resp.status != 200:
                 trace.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return trace
+            done = False
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue
                 data = line[6:].strip()
                 if data == b"[DONE]":
+                    done = True
                     break
                 now = time.time()
                 chunk = json.loads(data)
@@ -92,6 +94,8 @@ async def _completion(session, shard: Shard, prompt: list[int], send_at: float) 
                     trace.tokens = chunk["usage"]["completion_tokens"]
                 elif chunk["choices"] and (chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"]):
                     trace.chunks.append(now)
+            if not done and trace.error is None:
+                trace.error = f"the stream ended without [DONE] after {len(trace.chunks)} chunks"
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         trace.error = repr(e)[:200]
     return trace

@@ -4,13 +4,15 @@
     serve.run(build_app({"mode": "psd", "max_batch": 16}))
 
 EngineServer: its replica owns the MineDraft placement group (bundle 0 is the replica itself, the other
-bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager, and streams
-StepOutputs (token ids, logprobs, stats). Scale-out is data parallel: `num_replicas` (or autoscaling between
+bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager; the StepOutputs
+(token ids, logprobs, stats) of all its requests reach the ingress in step batches through its mailbox
+(serve/streams.py). Scale-out is data parallel: `num_replicas` (or autoscaling between
 `min_replicas` and `max_replicas`) engine replicas, each with its own placement group, so each replica's
 drafter and verifier stay on one node. A request lives on the replica Serve routed it to; only its own
 stream reaches it again (see Choice._abort).
 
-OpenAIServer (ingress): tokenizes, validates, detokenizes, cuts stop strings and formats the responses.
+OpenAIServer (ingress, `ingress_replicas` of them or autoscaled): tokenizes, validates, detokenizes, cuts stop
+strings and formats the responses.
 Detokenizing here keeps that CPU work off the engine replica, whose event loop drives the step loop.
 Streamed and non-streamed responses run the same code (`_run_choices`), so their texts are equal.
 
