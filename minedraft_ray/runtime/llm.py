@@ -9,7 +9,6 @@ verifier actors it creates land in the other bundles.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -17,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..config import EngineConfig
 from ..engine.engine import GenerationOutput
 from ..engine.sampling import SamplingParams
+from ..ray_local import start_local_ray
 from .manager import BatchManager, StepOutput
 from .placement import create_placement_group
 
@@ -74,11 +74,15 @@ class ManagerActor:
 
 
 def init_local_ray(**kwargs) -> None:
-    """Start a private local Ray instance unless one is connected (never attaches silently)."""
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        ray.init(address=kwargs.pop("address", "local"), include_dashboard=kwargs.pop("include_dashboard", False),
-                 **kwargs)
+    """Start a private local Ray instance unless one is connected (never attaches silently): every listener
+    on 127.0.0.1 and token authentication on (minedraft_ray/ray_local.py); `address` joins a cluster."""
+    if ray.is_initialized():
+        return
+    address = kwargs.pop("address", None)
+    if address and address != "local":
+        ray.init(address=address, **kwargs)
+    else:
+        start_local_ray(**kwargs)
 
 
 class LLM:

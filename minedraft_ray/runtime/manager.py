@@ -902,6 +902,7 @@ class BatchManager:
             for r in self.batches[0] + self.batches[1] + list(self.waiting):
                 r.draft_valid = 0  # the new drafter holds no KV: catch up from the start
             self.counters["drafter_restarts"] += 1
+            self.worker_info = {**self.worker_info, "drafter": info}   # info() reports the live drafter
             self.drafter_alive = True
             log.warning("drafter restarted; speculative decoding resumed")
             self._wake.set()
