@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import math
 import os
 import random
@@ -173,9 +172,12 @@ class Spec:
 
 
 def has_bench_hook() -> bool:
-    from minedraft_ray.runtime import LLM
-
-    return "_bench" in inspect.signature(LLM).parameters
+    """Whether the runtime offers the synthetic-acceptance workers (minedraft_ray.testing.workers)."""
+    try:
+        from minedraft_ray.testing.workers import synthetic_acceptance  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Engines:
@@ -215,7 +217,8 @@ class Engines:
 
     def _settings(self, spec: Spec) -> dict:
         if spec.acceptance == "synthetic" and self.synthetic and spec.mode != "ar":
-            return {"_bench": {"synthetic_acceptance": spec.alpha}}
+            from minedraft_ray.testing.workers import synthetic_acceptance
+            return {"_workers": synthetic_acceptance(spec.alpha)}
         return {}
 
     def _build(self, spec: Spec):
@@ -229,7 +232,10 @@ class Engines:
         return llm
 
     def _retune(self, spec: Spec, llm) -> None:
-        llm.reconfigure(k=max(spec.k, 1), **self._settings(spec))
+        llm.reconfigure(k=max(spec.k, 1))
+        if self._settings(spec):
+            from minedraft_ray.testing.workers import set_synthetic_acceptance
+            set_synthetic_acceptance(llm, spec.alpha)
         warm_up(llm, spec, self.setup, self.prompts(spec.acceptance))  # graphs for the new verify width
 
     def release(self, spec: Spec) -> None:
