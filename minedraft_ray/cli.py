@@ -30,7 +30,8 @@ examples:
   minedraft grafana push --url http://grafana:3000 --token $GRAFANA_TOKEN   # provision the dashboard
 
 Every engine flag can also be set as MINEDRAFT_<FIELD> (e.g. MINEDRAFT_MAX_BATCH=32); flags win.
-MINEDRAFT_API_KEY, when set, makes the API require 'Authorization: Bearer <key>'.
+MINEDRAFT_API_KEY, when set, makes the API require 'Authorization: Bearer <key>' (all but /health).
+A private Ray instance listens on 127.0.0.1 only, with Ray token authentication (docs/security.md).
 """
 
 
@@ -110,43 +111,63 @@ def add_ray_flags(parser: argparse.ArgumentParser) -> None:
                        help="GPUs of a private Ray instance (logical ones work on CPU machines)")
 
 
-def start_ray(ns: argparse.Namespace, dashboard: bool = False, host: str = "127.0.0.1"):
+def lock_down_ray(ns: argparse.Namespace) -> None:
+    """Before anything imports Ray: a private instance gets loopback-only listeners and token authentication
+    (Ray reads both at import). Joining --address leaves the cluster's own settings alone."""
+    if not ns.address:
+        from .ray_local import lock_down
+        lock_down()
+
+
+def start_ray(ns: argparse.Namespace, dashboard: bool = False):
     """A private local Ray instance, or the cluster at --address; never a plain ray.init(), which attaches
     silently to whatever cluster the default temp dir names."""
     import ray
 
     if ns.address:
         return ray.init(address=ns.address, log_to_driver=False)
-    if host == "127.0.0.1":
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # every Ray listener on 127.0.0.1
+    from .ray_local import start_local_ray
+
     kwargs = {"num_cpus": ns.num_cpus, "num_gpus": ns.num_gpus, "_temp_dir": ns.temp_dir}
-    if dashboard:
-        kwargs.update(dashboard_host=host, dashboard_port=ns.dashboard_port)
-    return ray.init(address="local", include_dashboard=dashboard, log_to_driver=False,
-                    **{k: v for k, v in kwargs.items() if v is not None})
+    if dashboard:   # on 127.0.0.1 unless asked: it runs jobs for whoever holds the token
+        kwargs.update(dashboard_host=ns.dashboard_host, dashboard_port=ns.dashboard_port)
+    return start_local_ray(include_dashboard=dashboard, log_to_driver=False,
+                           **{k: v for k, v in kwargs.items() if v is not None})
 
 
 # ---------------------------------------------------------------- commands
 
 def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    lock_down_ray(ns)
     config, overrides = load_engine_config(ns, parser)   # fail on bad flags before starting anything
     import ray
     from ray import serve
 
-    from .serve.app import build_app
+    from .serve.app import API_KEY_ENV, build_app_with_key, http_options
 
-    context = start_ray(ns, dashboard=not ns.no_dashboard, host=ns.host)
+    # the key leaves this process's environment before Ray starts: Ray's processes (and any job they run)
+    # inherit it; only its SHA-256 travels to the ingress replica
+    api_key = os.environ.pop(API_KEY_ENV, None) or None
+    if not ns.address:   # a private instance: its Serve proxy runs the ingress guard with these limits
+        from .serve.guard import IngressLimits, guard_environ
+        os.environ.update(guard_environ(IngressLimits.from_config(config)))
+    context = start_ray(ns, dashboard=not ns.no_dashboard)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
-        serve.run(build_app(overrides), name=ns.app_name, route_prefix="/")
+        serve.start(http_options=http_options(config, host=ns.host, port=ns.port))
+        serve.run(build_app_with_key(overrides, api_key), name=ns.app_name, route_prefix="/")
         url = f"http://{ns.host}:{ns.port}"
         dashboard = getattr(context, "dashboard_url", None)
         print(f"minedraft: serving '{config.served_model_name}' ({config.mode}, k={config.k}, "
               f"max_batch={config.max_batch})", flush=True)
         print(f"minedraft: API       {url}/v1  (health: {url}/health)", flush=True)
         print(f"minedraft: dashboard {'http://' + dashboard if dashboard else 'off'}", flush=True)
+        if not ns.address and os.environ.get("RAY_AUTH_TOKEN_PATH"):
+            print(f"minedraft: Ray token {os.environ['RAY_AUTH_TOKEN_PATH']}  (Ray token authentication: "
+                  "RAY_AUTH_TOKEN_PATH=<that file> ray job list ...)", flush=True)
+        if api_key is None and ns.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"minedraft: WARNING: the API on {ns.host} has no key; set {API_KEY_ENV}", flush=True)
         print("minedraft: Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
@@ -163,6 +184,7 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    lock_down_ray(ns)
     config, _ = load_engine_config(ns, parser)
     from . import LLM, SamplingParams
 
@@ -232,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     serve.add_argument("--app-name", default="minedraft", help="Serve application name (default: minedraft)")
+    serve.add_argument("--dashboard-host", default="127.0.0.1",
+                       help="Ray dashboard bind address (default: 127.0.0.1; it accepts jobs from token holders)")
     serve.add_argument("--dashboard-port", type=int, default=8265, help="Ray dashboard port (default: 8265)")
     serve.add_argument("--no-dashboard", action="store_true", help="start the private Ray instance without it")
     add_ray_flags(serve)

@@ -97,6 +97,17 @@ class EngineConfig(BaseModel):
     ingress_max_replicas: int | None = Field(None, ge=1, description="autoscale ingress replicas up to this many")
     ingress_cpus: float = Field(0.1, gt=0, description="CPUs reserved per ingress replica (a Ray reservation, "
                                 "not a cap: what it takes from the cluster's schedulable CPUs)")
+    # ingress and failure handling (serve/guard.py, serve/app.py, docs/security.md)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; a larger "
+                                "one is answered 413")
+    body_timeout_s: float = Field(30.0, gt=0, description="time a request's body has to arrive after its headers; "
+                                  "then 408 and the connection is closed")
+    header_timeout_s: float = Field(10.0, gt=0, description="time a request's headers have to arrive; then the "
+                                    "connection is closed")
+    health_check_period_s: float = Field(1.0, gt=0, description="Serve's health check of an engine replica: a "
+                                         "dead engine is replaced at the next one")
+    graceful_shutdown_s: float = Field(20.0, ge=0, description="on shutdown, running requests get this long to "
+                                       "finish before their streams end with an error")
 
     @field_validator("target", "draft", mode="before")
     @classmethod

@@ -1,8 +1,12 @@
 """One private Ray cluster per test session (per worker under `make test`'s `-n 2`), shared by its Ray test modules.
 
-tests/conftest.py imports the fixture (`from ray_cluster import ray_cluster  # noqa: F401`). Logical GPUs
-(num_gpus=2) let placement groups with GPU bundles schedule on a CPU machine; the actors still run torch
-on the CPU. Never `ray stop`: it kills every Ray process on the host.
+tests/conftest.py imports this module first (`from ray_cluster import ray_cluster  # noqa: F401`), before any
+test module imports Ray: the cluster is locked down like every instance the project starts
+(minedraft_ray/ray_local.py: listeners on 127.0.0.1, Ray token authentication with a fresh token), which Ray
+only honours when set before its import. Its Serve proxy runs the ingress guard (serve/guard.py) with short
+timeouts, so the tests of slow clients take seconds. Logical GPUs (num_gpus=2) let placement groups with GPU
+bundles schedule on a CPU machine; the actors still run torch on the CPU. Never `ray stop`: it kills every Ray
+process on the host.
 """
 import os
 import shutil
@@ -10,15 +14,28 @@ import tempfile
 
 import pytest
 
+from minedraft_ray.ray_local import lock_down
+from minedraft_ray.serve.guard import IngressLimits, guard_environ
+
+TEST_LIMITS = IngressLimits(max_body_bytes=1024 * 1024, body_timeout_s=2.0, header_timeout_s=2.0)
+
+lock_down()
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # every listener on 127.0.0.1
+    from minedraft_ray.ray_local import start_local_ray
+
     temp_dir = tempfile.mkdtemp(prefix="mdray-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False)
+    guard = guard_environ(TEST_LIMITS)
+    os.environ.update(guard)    # inherited by Ray's processes (Serve's proxy) only
+    try:
+        start_local_ray(num_cpus=4, num_gpus=2, _temp_dir=temp_dir, log_to_driver=False)
+    finally:
+        for name in guard:
+            os.environ.pop(name, None)
     try:
         yield ray
     finally:

@@ -4,8 +4,10 @@ provider brings up a head over SSH that deploys the app and answers HTTP."""
 import copy
 import ctypes
 import getpass
+import secrets
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -70,6 +72,55 @@ def test_cluster_yaml_validates_and_never_stops_ray(path):
     if "available_node_types" in cfg:
         with pytest.raises(ValueError, match="head_node_type"):
             ray_validate({**cfg, "head_node_type": "nope"})
+
+
+PLACEHOLDER = re.compile(r"ami-0123456789abcdef0|ami-0+\b|ami-x+|<[^<>\n]*>|\bTODO\b|\bFIXME\b|CHANGE_?ME|REPLACE_?ME|"
+                         r"\bxxx+\b|your[-_ ](?:ami|image|key|token|region)", re.IGNORECASE)
+
+
+def strings(node) -> list[str]:
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in strings(k) + strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def test_aws_cluster_comes_up_as_written():
+    """No placeholder left (the old `ImageId: ami-0123456789abcdef0` made `ray up` fail): the autoscaler's
+    default Deep Learning AMI, Ray's GPU image at the installed Ray version, the project installed into it."""
+    import ray
+
+    cfg = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    found = [s for s in strings(cfg) if PLACEHOLDER.search(s)]
+    assert not found, found
+    for name, node_type in cfg["available_node_types"].items():
+        assert node_type["node_config"].get("ImageId", "latest_dlami") == "latest_dlami", name
+    image = cfg["docker"]["image"]
+    assert image.startswith(f"rayproject/ray:{ray.__version__}-") and image.endswith("-gpu"), image
+    assert any("minedraft_ray-" in c and "pip install" in c for c in cfg["setup_commands"])
+    # the check itself: the old placeholder is caught
+    bad = copy.deepcopy(cfg)
+    bad["available_node_types"]["head"]["node_config"]["ImageId"] = "ami-0123456789abcdef0"
+    assert [s for s in strings(bad) if PLACEHOLDER.search(s)]
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_cluster_ray_runs_with_a_deploy_time_token(path):
+    """Every Ray command runs with token authentication; the token is a file made at deploy time, copied by
+    file_mounts from a git-ignored path; the dashboard stays on 127.0.0.1."""
+    cfg = ray_validate(yaml.safe_load(path.read_text()))
+    token_mounts = {remote: local for remote, local in cfg["file_mounts"].items() if "token" in remote}
+    assert len(token_mounts) == 1, cfg["file_mounts"]
+    (remote, local), = token_mounts.items()
+    ignored = subprocess.run(["git", "check-ignore", "-q", local], cwd=REPO)
+    assert ignored.returncode == 0, f"{local} is not git-ignored"
+    for cmd in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]:
+        if "ray start" in cmd or "serve deploy" in cmd or "minedraft serve" in cmd:
+            assert "RAY_AUTH_MODE=token" in cmd and "RAY_AUTH_TOKEN_PATH=" in cmd, cmd
+        if "ray start" in cmd:
+            assert "minedraft_ray.serve.guard:proxy_middlewares" in cmd, cmd
+        assert "--dashboard-host=0.0.0.0" not in cmd
 
 
 def test_aws_cluster_shape():
@@ -304,6 +355,8 @@ def local_cluster_copy(home: Path, sshd_port: int, ports: dict[str, int]) -> Pat
     relay.chmod(0o755)
     cfg["auth"] = {"ssh_user": getpass.getuser(), "ssh_private_key": str(home / "client_key"),
                    "ssh_proxy_command": f"{relay} %h {sshd_port}"}
+    (home / ".ray_auth_token").write_text(secrets.token_urlsafe(32))   # made at deploy time, as documented
+    (home / ".ray_auth_token").chmod(0o600)
     swaps = {"/opt/minedraft-ray": str(REPO), "/tmp/minedraft-ray": str(home / "r"), "6379": str(ports["gcs"]),
              "8000": str(ports["http"]), "8080": str(ports["metrics"]), "0.0.0.0": "127.0.0.1",
              "--include-dashboard=true": f"--include-dashboard=false --ray-client-server-port={ports['client']}"}
@@ -315,6 +368,7 @@ def local_cluster_copy(home: Path, sshd_port: int, ports: dict[str, int]) -> Pat
 
     for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
         cfg[key] = [swap(c) for c in cfg[key]]
+    cfg["file_mounts"] = {swap(remote).split("; ", 1)[1]: local for remote, local in cfg["file_mounts"].items()}
     path = home / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     ray_validate(cfg)
@@ -341,7 +395,8 @@ def test_ray_up_local_provider_serves_http():
         start_sshd(home, ports["sshd"])
         config = local_cluster_copy(home, ports["sshd"], ports)
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-        env.pop("RAY_ADDRESS", None)
+        for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+            env.pop(name, None)   # the cluster's own token, from its file_mounts, is the one that counts
         t0 = time.time()
         up = subprocess.run([str(Path(sys.executable).parent / "ray"), "up", str(config), "-y", "--no-config-cache",
                              "--disable-usage-stats", "--log-color", "false"], cwd=home, env=env,

@@ -11,6 +11,7 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM, make_bundles
+from minedraft_ray.testing.workers import faulty_drafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
            "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "hello world, this is a longer "
@@ -286,7 +287,13 @@ def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(ray_clu
         history = llm.history()
         assert {h.regime for h in history} == {"seq"}
         assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
-        assert llm.info()["high_load_regime"]["saturated"] is False
+        info = llm.info()
+        assert info["high_load_regime"]["saturated"] is False
+        # info says what ran: every step was sequential, at low load and at high load
+        for load in ("low", "high"):
+            regime = info[f"{load}_load_regime"]
+            assert regime["current"] == regime["last_step"] == "seq", regime
+            assert set(regime["steps"]) == {"seq"}, regime
     finally:
         llm.shutdown()
 
@@ -320,7 +327,7 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
     # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
     # verify submitted already
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
-              transport=transport, _bench={"draft_delay_s": 0.2})
+              transport=transport, _workers=faulty_drafter(delay_s=0.2))
     try:
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
@@ -347,8 +354,8 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
 
 
 @pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
-    ("draft_error_at", "collective", 60, 45), ("draft_hang_at", "object_store", 5, 10),
-    ("draft_hang_at", "collective", 5, 10)])
+    ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10),
+    ("hang_at", "collective", 5, 10)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         ray_cluster, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify
@@ -357,7 +364,7 @@ def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
     verify runs without drafts instead of waiting out the link's own timeout, or the hour the round hangs. The
     output is still ar's, and nothing waits longer than about one timeout."""
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport=transport,
-              step_timeout_s=timeout_s, _bench={fault: 4})
+              step_timeout_s=timeout_s, _workers=faulty_drafter(**{fault: 4}))
     try:
         t0 = time.time()
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])

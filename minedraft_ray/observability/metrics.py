@@ -72,7 +72,8 @@ SERIES = {
     "ray_minedraft_verifier_busy_fraction": (
         "gauge", "verify time / step wall time over the last ~1 s of steps (prefill not counted)"),
     "ray_minedraft_batch_size": ("gauge", "requests in batch `batch` (a | b) after the step; non-psd: all in a"),
-    "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after the step (psd keeps it <= 1)"),
+    "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after a step of the split (psd keeps it <= 1); 0 "
+                                      "while one sequential batch runs"),
     "ray_minedraft_queue_depth": ("gauge", "requests waiting for a slot"),
     "ray_minedraft_running_requests": ("gauge", "requests in the batches"),
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
@@ -281,7 +282,9 @@ class EngineMetrics:
         a, b = record.sizes
         self._set(self.batch_size, a, 0)
         self._set(self.batch_size, b, 1)
-        self._set(self.imbalance, abs(a - b))
+        # the balance of the split; a sequential batch (one batch holds everyone) has none
+        split = record.regime == "psd" and not record.extra.get("one_batch")
+        self._set(self.imbalance, abs(a - b) if split else 0)
         if manager is not None:
             self._set(self.queue_depth, len(manager.waiting))
             self._set(self.running, a + b)

@@ -41,6 +41,7 @@ from ..observability.metrics import EngineMetrics, request_status
 from .placement import actor_options, create_placement_group
 from .regime import RegimeChooser
 from .transport import default_transport, make_channel
+from .workers import WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -104,8 +105,8 @@ class _Task:
     ref: object                      # the verifier's result
     num_drafts: list[int]
     regime: str = ""
-    draft_ms_ref: object = None      # the drafter's timing result (the drafts go to the verifier by ref)
-    drafts: object = None            # what the verify names as its drafts (a ref, or the channel's key)
+    draft_ms_refs: list = field(default_factory=list)   # the drafter's timing results, one per round
+    drafts: list = field(default_factory=list)   # what the verify names as its drafts: refs or channel keys
     drafted: int = 0
     admitted: int = 0
     submitted: float = 0.0
@@ -128,6 +129,17 @@ class _DraftAhead:
     generation: int     # the drafter it went to
 
 
+@dataclass
+class RegimeSteps:
+    """The regimes verify steps ran in at one load (psd's info reports these, not what a chooser would pick)."""
+    steps: Counter = field(default_factory=Counter)
+    last: str | None = None
+
+    def add(self, regime: str) -> None:
+        self.steps[regime] += 1
+        self.last = regime
+
+
 def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
     """Two consecutive outputs of one request as one (b's finish, stats and error win)."""
     logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
@@ -147,17 +159,16 @@ def workers_on_gpu(config: EngineConfig) -> bool:
 
 
 def overlap_by_default(config: EngineConfig) -> bool:
-    """verifier_overlap's default: on where the verifier computes on a GPU (measured there:
-    bench/results/psd_vs_sd_analysis.md); on a CPU the host is the device, nothing runs ahead and the waiting
-    threads only contend (slower)."""
+    """verifier_overlap's default: on where the verifier computes on a GPU (docs/design.md, "Overlap"); on a
+    CPU the host is the device, nothing runs ahead and the waiting threads only contend."""
     return workers_on_gpu(config)
 
 
 class BatchManager:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
-                 bench: dict | None = None):
+                 workers: WorkerSet | None = None):
         self.config = config
-        self.bench = bench  # benchmark-only worker options (synthetic acceptance); never set by Serve
+        self.workers = workers or WorkerSet()   # Serve passes none: the production workers
         self.mode, self.k = config.mode, config.k
         target_dir = resolve_model(config.target)
         self.tokenizer = load_tokenizer(target_dir)
@@ -220,6 +231,7 @@ class BatchManager:
                          "drafts_ahead_used": 0, "draft_rows_unused": 0,
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
+        self.regime_steps = {"low": RegimeSteps(), "high": RegimeSteps()}   # what ran, per load (info)
         self.verifier = self.drafter = None
         self._drafter_seq = 0                          # drafter tasks numbered so far (_next_drafter_seq)
         self.drafter_alive = False
@@ -231,7 +243,7 @@ class BatchManager:
         self._restart_task: asyncio.Task | None = None
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
-        self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes()
+        self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes(self.workers)
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -246,10 +258,11 @@ class BatchManager:
         threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
         if self.mode == "sd":
             self.verifier = self._spec_cls.options(**actor_options(self._pg, self.mode, "spec"), **threads).remote(
-                cfg, self.num_slots, self.bench)
+                cfg, self.num_slots, **self.workers.verifier_kwargs)
         else:
             self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier"),
-                                                       **threads).remote(cfg, self.num_slots, self.bench)
+                                                       **threads).remote(cfg, self.num_slots,
+                                                                         **self.workers.verifier_kwargs)
         waits = [self._get(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
@@ -267,7 +280,7 @@ class BatchManager:
         self._drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
         return self._drafter_cls.options(**actor_options(self._pg, self.mode, "drafter"), **threads).remote(
-            self.config.model_dump(), self.num_slots, self.bench)
+            self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
 
     async def shutdown(self) -> None:
         if self._loop_task:
@@ -397,9 +410,9 @@ class BatchManager:
             self.slots.free(r.slot)
             r.slot = None
 
-    async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
-        """Benchmarks: change k (and benchmark-only worker options) between workloads, keeping the
-        actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
+    async def reconfigure(self, k: int | None = None) -> None:
+        """Benchmarks: change k between workloads, keeping the actors, models and CUDA graphs. Only while
+        idle: drafts in flight would carry the old k."""
         if self.waiting or self._num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
         if k is not None:
@@ -409,9 +422,6 @@ class BatchManager:
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
             self.chooser = RegimeChooser(**self._chooser_args["low"])
             self.high_chooser = RegimeChooser(**self._chooser_args["high"])
-        if bench is not None:
-            self.bench = bench
-            await self._get(self.verifier.set_bench.remote(bench), "reconfigure")
 
     def _num_running(self) -> int:
         return len(self.batches[0]) + len(self.batches[1])
@@ -424,9 +434,28 @@ class BatchManager:
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
                 **self.counters,
                 "recent_steps": self.recent_steps(),
-                **({"low_load_regime": self.chooser.info(), "high_load_regime": {**self.high_chooser.info(),
-                                                                                   "saturated": self.saturated}}
+                **({"low_load_regime": self._regime_info("low"), "high_load_regime": self._regime_info("high")}
                    if self.mode == "psd" else {})}
+
+    def _regime_info(self, load: str) -> dict:
+        """psd's regime at one load, as it ran: the policy, the regime the next steps take, the regime of the
+        latest step at that load and the steps per regime (ar: the drafter was down); the chooser's
+        measurements only where it chooses."""
+        policy = self.config.psd_low_load if load == "low" else self.config.psd_high_load
+        chooser = self.chooser if load == "low" else self.high_chooser
+        if policy != "auto":
+            current = policy
+        elif load == "high" and not self.saturated:
+            current = "seq"
+        else:
+            current = chooser.trial or chooser.current
+        out = {"policy": policy, "current": current, "last_step": self.regime_steps[load].last,
+               "steps": dict(self.regime_steps[load].steps)}
+        if policy == "auto":
+            out.update(chooser.info(), current=current)
+        if load == "high":
+            out["saturated"] = self.saturated
+        return out
 
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
@@ -492,9 +521,10 @@ class BatchManager:
     async def _complete(self, task: _Task) -> None:
         """Wait for the oldest verifier task, commit it, and (for a verify) continue its batch's chain."""
         t_draft = 0.0
-        if task.draft_ms_ref is not None:
+        if task.draft_ms_refs:
             try:
-                t_draft = await self._get(task.draft_ms_ref, "draft")
+                for ms_ref in task.draft_ms_refs:
+                    t_draft += await self._get(ms_ref, "draft")
             except Exception as e:
                 # the verify never ran (its drafts failed): run it again without drafts
                 if task.draft_generation == self.drafter_generation:   # not a round for a drafter since replaced
@@ -502,8 +532,8 @@ class BatchManager:
                 # under its own number: a task whose argument failed never ran, so its turn is still open
                 task.ref = self.channel.without_drafts(
                     self.verifier, task.drafts, task.ref,
-                    lambda: self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
-                                                        self._num_logprobs(task.requests)))
+                    lambda: self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None,
+                                                        self._num_logprobs(task.requests), None))
                 task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
                 self.counters["draft_rounds_failed"] += 1
         result = await self._verifier_result(task.ref, task.kind)
@@ -545,6 +575,7 @@ class BatchManager:
         self._last_end = t_end
         record.host_ms = (now - t_arrived) * 1e3
         self.counters["steps"] += 1
+        self.regime_steps["low" if task.low_load else "high"].add(task.regime)
         self.history.append(record)
         for listener in self.step_listeners:
             listener(record)
@@ -663,11 +694,20 @@ class BatchManager:
         if ahead is not None:
             self.counters["draft_rows_unused"] += len(ahead.rows)
             self.channel.discard(self.verifier, ahead.drafts_ref)
+            if ahead.generation == self.drafter_generation:   # a fault in it still says the drafter is unwell
+                asyncio.get_running_loop().create_task(self._watch_dropped_round(ahead))
+
+    async def _watch_dropped_round(self, ahead: _DraftAhead) -> None:
+        try:
+            await self._get(ahead.ms_ref, "draft round")
+        except Exception as e:
+            if ahead.generation == self.drafter_generation:
+                self._drafter_down(e)
 
     def _prefill_drafter(self, new: list[Request]) -> None:
         """psd, sd_split: the drafter (its own GPU) takes the new prompts while the verifier prefills them, so
-        their first draft round feeds two tokens instead of the whole prompt (that catch-up was on the
-        critical path: sd_split's median draft took 14 ms instead of 3.4 under Poisson arrivals)."""
+        their first draft round feeds two tokens instead of the whole prompt (that catch-up would sit on the
+        critical path)."""
         if self.mode not in ("psd", "sd_split") or not self.drafter_alive or self.drafter is None:
             return
         ref = self.drafter.prefill.remote(self._next_drafter_seq(), [r.slot for r in new], [r.prompt_ids for r in new])
@@ -716,18 +756,22 @@ class BatchManager:
             self._drop_ahead(b)   # for a drafter that died since (its rows fail) or no longer wanted
             ahead = None
         self.draft_ahead[b] = None
+        # every member that rides is drafted (psd, seq), a new one from its prefill's token, as `sd` drafts
+        # it: so a request is drafted at the same positions in every mode. Members the round drafted ahead
+        # covers (nothing committed for them since it was built) take its rows; the others (new, or moved
+        # here) a round of their own, submitted now; the verify takes both
+        drafted = [] if regime == "ar" else rows
+        covered = [] if ahead is None else \
+            [r for r in rows if r.inflight == 0 and ahead.rows.get(id(r), (0, None))[1] == r.last_seq]
+        if ahead is not None and not covered:
+            self._drop_ahead(b)   # none of its rows ride (all moved on since): no verify will name it
+            ahead = None
+        row_of = {id(r): ahead.rows[id(r)][0] for r in covered}
+        missing = [r for r in drafted if id(r) not in row_of] if regime != "sd" else []
+        offset = len(ahead.rows) if ahead is not None else 0
+        row_of.update((id(r), offset + i) for i, r in enumerate(missing))
         if regime == "sd":
-            drafted = rows
-        elif regime == "ar":
-            drafted = []
-        elif ahead is not None:   # rows drafted ahead from the tokens they hold now (nothing committed since)
-            drafted = [r for r in rows if r.inflight == 0 and ahead.rows.get(id(r), (0, None))[1] == r.last_seq]
-        else:
-            drafted = [r for r in rows if r.inflight == 0]
-        # each row's row in the drafts: in the round drafted ahead, or in the one submitted below
-        if ahead is not None:
-            self.counters["draft_rows_unused"] += len(ahead.rows) - len(drafted)
-        row_of = {id(r): ahead.rows[id(r)][0] if ahead is not None else i for i, r in enumerate(drafted)}
+            row_of = {id(r): i for i, r in enumerate(rows)}
         index = [row_of.get(id(r), -1) for r in rows]
         num_drafts = [self.k if i >= 0 else 0 for i in index]
         slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
@@ -740,18 +784,18 @@ class BatchManager:
         if regime == "sd":
             task.kind = "step"
             task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
-        elif drafted:
-            if ahead is not None:
-                task.drafts, task.draft_ms_ref = ahead.drafts_ref, ahead.ms_ref
-                self.counters["drafts_ahead_used"] += 1
-            else:
-                task.drafts, task.draft_ms_ref = self.channel.submit(self.drafter, self.verifier,
-                                                                     self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, task.drafts, index, nlp, task.tokens_to)
         else:
-            if ahead is not None:   # none of its rows ride (all moved on since): no verify will name it
-                self.channel.discard(self.verifier, ahead.drafts_ref)
-            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp, task.tokens_to)
+            if ahead is not None:
+                task.drafts.append(ahead.drafts_ref)
+                task.draft_ms_refs.append(ahead.ms_ref)
+                self.counters["drafts_ahead_used"] += 1
+                self.counters["draft_rows_unused"] += len(ahead.rows) - len(covered)
+            if missing:
+                drafts, ms_ref = self.channel.submit(self.drafter, self.verifier, self._fresh_round_args(missing))
+                task.drafts.append(drafts)
+                task.draft_ms_refs.append(ms_ref)
+            task.ref = self.verifier.verify.remote(task.seq, slots, index if drafted else None, nlp,
+                                                   task.tokens_to, *task.drafts)
         for r in rows:
             r.inflight += 1
         self.counters["queued_behind"] += self.queued[b] > 0
@@ -798,6 +842,22 @@ class BatchManager:
         args = self._draft_args([r for r, _, _ in rows], [(takes, abt) for _, takes, abt in rows])
         drafts_ref, ms_ref = self.channel.submit(self.drafter, self.verifier, (*args, *sources))
         self.draft_ahead[b] = _DraftAhead(drafts_ref, ms_ref, built, self.drafter_generation)
+
+    def _fresh_round_args(self, batch: list[Request]) -> tuple:
+        """A draft round for a verify submitted now: committed members feed their committed tokens; a new one
+        also takes its first token from its prefill in flight (the drafter holds its prompt when it prefilled
+        it, so then only the last two tokens are fed)."""
+        sources, source_of, extra = [], {}, []
+        for r in batch:
+            if not r.prefilling:
+                extra.append(((), False))
+                continue
+            prefill, prow = r.prefill_at
+            if id(prefill) not in source_of:
+                source_of[id(prefill)] = len(sources)
+                sources.append(prefill.ref)
+            extra.append(([(source_of[id(prefill)], prow)], r.draft_valid >= len(r.prompt_ids)))
+        return (*self._draft_args(batch, extra), *sources)
 
     def _next_seq(self) -> int:
         """Number the next verifier task: the verifier launches its tasks' device work in this order."""
@@ -902,6 +962,7 @@ class BatchManager:
             for r in self.batches[0] + self.batches[1] + list(self.waiting):
                 r.draft_valid = 0  # the new drafter holds no KV: catch up from the start
             self.counters["drafter_restarts"] += 1
+            self.worker_info = {**self.worker_info, "drafter": info}   # info() reports the live drafter
             self.drafter_alive = True
             log.warning("drafter restarted; speculative decoding resumed")
             self._wake.set()

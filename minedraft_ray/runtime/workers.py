@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -122,9 +122,8 @@ def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
 
 
 class _Worker:
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
+    def __init__(self, config: dict, num_slots: int):
         self.config = EngineConfig.model_validate(config)
-        self.bench = bench or {}
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = pick_device(self.config)
@@ -220,11 +219,10 @@ class VerifierWorker(_Worker):
     waits for the device (a CUDA event wait releases the GIL), so the next task's Ray hand-over and host
     work overlap this one's device time instead of following it."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # verify steps are k + 1 wide, or 1 when no row carries drafts
-        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
-                                 self.bench.get("synthetic_acceptance"))
+        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
 
@@ -247,8 +245,20 @@ class VerifierWorker(_Worker):
         except Exception:  # noqa: BLE001 - the drafter died: its round will not come
             pass
 
-    def _take_drafts(self, drafts):
-        """What a verify names as its drafts -> {"ids", "probs"} or None (run without: the round failed)."""
+    def _take_drafts(self, rounds) -> dict | None:
+        """The rounds a verify names -> their drafts, rows concatenated in order, as {"ids", "probs"}; None
+        (run without) when there are none or one failed."""
+        taken = [self._take_round(r) for r in rounds]
+        if not taken or any(t is None for t in taken):
+            return None
+        if len(taken) == 1:
+            return taken[0]
+        ids = torch.cat([torch.as_tensor(t["ids"], dtype=torch.int64) for t in taken])
+        probs = None if taken[0]["probs"] is None else torch.cat([torch.as_tensor(t["probs"]) for t in taken])
+        return {"ids": ids, "probs": probs}
+
+    def _take_round(self, drafts):
+        """One round a verify names -> {"ids", "probs"}, or None (the round failed)."""
         if not isinstance(drafts, LinkRound):
             return drafts
         link = self._link_of(drafts.generation)
@@ -274,11 +284,6 @@ class VerifierWorker(_Worker):
             link.send(out, to.seq)
         except Exception as e:  # noqa: BLE001 - the drafter's death is the manager's to handle
             log.warning("verify %d: tokens not sent to the drafter (%s)", to.seq, e)
-
-    def set_bench(self, bench: dict) -> None:
-        """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
-        self.bench = bench or {}
-        self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
 
     def _run(self, seq: int, launch, tokens_to: LinkTokens | None = None):
         """launch() -> (VerifyResult staged to host, StepTimer) runs in turn `seq`; then its results are
@@ -309,12 +314,13 @@ class VerifierWorker(_Worker):
         self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], prompts)
         return result
 
-    def verify(self, seq: int, slots: list[int], drafts, draft_index: list[int] | None, num_logprobs: int,
-               tokens_to: LinkTokens | None = None):
+    def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
+               tokens_to: LinkTokens | None = None, *drafts):
         """One verify step for slots (their last tokens and positions are in the slot state).
 
-        drafts: {"ids": [N, k], "probs": [N, k, W] packed | None} from the draft channel (or the key it comes under);
-        draft_index[b] is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
+        drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None} from
+        the draft channel (or the key it comes under); draft_index[b] is row b's row in their concatenation,
+        or -1 for a row without drafts (drafter down).
         tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
         -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
         the manager's host: step times are measured where the work runs."""
@@ -359,13 +365,12 @@ class DrafterWorker(_Worker):
     rows outside its turn, launches its device work in its turn, and waits for the device after it, so the next
     round's hand-over and host work overlap this one's device time instead of following it."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
         self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
-        self.rounds = 0   # draft rounds run
 
     def prefill(self, seq: int, slots: list[int], prompts: list[list[int]]) -> float:
         """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
@@ -379,8 +384,8 @@ class DrafterWorker(_Worker):
         """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (draft_sample_packed) | None},
         device ms)."""
         ids, probs, ms = self._draft(*args)
-        # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
-        # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/logs/payload_hop_cpu_before_link.md)
+        # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer, which
+        # made the hop from the drafter to the verify slower (docs/transport.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
     def _draft(self, seq: int, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
@@ -408,13 +413,6 @@ class DrafterWorker(_Worker):
         with self._turn(seq):
             if error is not None:
                 raise error
-            if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
-                time.sleep(self.bench["draft_delay_s"])
-            self.rounds += 1
-            if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
-                raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
-            if self.rounds == self.bench.get("draft_hang_at"):   # tests: a drafter that hangs without dying
-                time.sleep(3600)
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
                 ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
@@ -462,8 +460,8 @@ class SpecWorker(VerifierWorker):
     The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
     from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
@@ -489,3 +487,15 @@ class SpecWorker(VerifierWorker):
             return staged, timer
         tokens, logprobs, t_verify, t_launch, t_end = self._run(seq, launch)
         return tokens, logprobs, timers["draft"].ms, t_verify, t_launch, t_end
+
+
+@dataclass(frozen=True)
+class WorkerSet:
+    """The worker classes an engine starts, and extra constructor arguments per role. Serving always uses the
+    default; tests and benchmarks pass subclasses from minedraft_ray.testing.workers (faults, synthetic
+    acceptance, recording), which the HTTP server cannot name."""
+    verifier: type = VerifierWorker
+    drafter: type = DrafterWorker
+    spec: type = SpecWorker
+    verifier_kwargs: dict = field(default_factory=dict)   # for the verifier and the spec worker
+    drafter_kwargs: dict = field(default_factory=dict)

@@ -17,11 +17,18 @@ Detokenizing here keeps that CPU work off the engine replica, whose event loop d
 Streamed and non-streamed responses run the same code (`_run_choices`), so their texts are equal.
 
 Status codes: 400 bad input or unsupported parameter, 401 missing/wrong API key, 404 unknown model or
-route, 429 queue full (the engine's bounded queue or Serve's), 500 engine failure, 503 /health when the
-engine is dead. A client that disconnects cancels its requests; the engine frees their slots.
+route, 408 body too slow, 413 body too large, 429 queue full (the engine's bounded queue or Serve's), 500
+an unexpected failure, 503 the engine is dead or restarting (/health too). 429 and 503 carry Retry-After.
+Error bodies are OpenAI's error JSON and never carry exception text, tracebacks or Ray internals. A client
+that disconnects cancels its requests; the engine frees their slots.
+
+Tokenizing, detokenizing and request parsing run on a thread pool, never on the event loop that serves the
+other clients; prompts are counted before their ids are built, so an over-long prompt costs no list of
+millions of ids.
 """
 
 import asyncio
+import concurrent.futures
 import hashlib
 import hmac
 import json
@@ -36,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,6 +56,8 @@ from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedErr
 from ..runtime.placement import STRATEGY, make_bundles
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
+from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
+                    read_body, timeout_message, too_large_message)
 from .streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
@@ -58,17 +67,23 @@ from .vllm_metrics import APIMetrics, RequestTimer
 log = logging.getLogger("minedraft.serve")
 
 API_KEY_ENV = "MINEDRAFT_API_KEY"
+HEALTH_TIMEOUT_S = 5.0
+ENGINE_ACCEPT_TIMEOUT_S = 5.0   # longest wait for an engine replica to take a request
+KEEP_ALIVE_TIMEOUT_S = 5   # idle keep-alive connections close after this (uvicorn's timer, Serve's option)
 CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
 INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling adds one
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
+STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
+INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
+                         # must not take the slots /health and ordinary requests need
 
 
 # ---------------------------------------------------------------- engine deployment
 
-@serve.deployment(name="MineDraftEngine", health_check_period_s=10, health_check_timeout_s=60,
-                  graceful_shutdown_timeout_s=30)
+@serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
 class EngineServer:
     async def __init__(self, config: dict):
+        bind_replica_grpc_to_node_ip()
         self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)))
         await self.manager.start()
         self.mailbox_key = serve.get_replica_context().replica_id.unique_id
@@ -128,13 +143,15 @@ class EngineServer:
 
 # ---------------------------------------------------------------- ingress
 
-api = FastAPI(title="minedraft", description="OpenAI-compatible API over MineDraft speculative decoding")
+# no open /docs, /redoc: /openapi.json is a route of its own, behind the API key
+api = FastAPI(title="minedraft", description="OpenAI-compatible API over MineDraft speculative decoding",
+              docs_url=None, redoc_url=None, openapi_url=None)
 api.add_middleware(ConfiguredCORSMiddleware)   # outermost: preflights are answered before anything else
 
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError):
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -145,22 +162,40 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 @api.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception):
-    log.exception("unhandled error")
-    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
+    # unexpected: the traceback goes to the replica's log, the client learns nothing about it
+    log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
+    return JSONResponse(internal_error().body(), status_code=500)
+
+
+def internal_error() -> APIError:
+    return APIError(500, "Internal server error.", "server_error", code="internal_error")
+
+
+def engine_unavailable() -> APIError:
+    return APIError(503, "The engine is unavailable (restarting after a failure). Retry later.", "server_error",
+                    code="engine_dead")
 
 
 def engine_error(exc: BaseException) -> APIError | None:
-    """An exception from the engine deployment as the API error it stands for (None: not ours)."""
+    """An exception from the engine deployment as the API error it stands for (None: not ours). Messages
+    are fixed texts: an exception's own text may carry Ray tracebacks, addresses and pids."""
     if isinstance(exc, (EngineOverloadedError, BackPressureError)):
         return APIError(429, "The server is overloaded: the request queue is full. Retry later.",
                         "rate_limit_error", code="queue_full")
     if isinstance(exc, EngineDeadError):
-        return APIError(500, f"The engine failed: {exc}", "server_error", code="engine_dead")
-    if isinstance(exc, RayActorError):   # the engine replica itself died (Serve restarts it)
-        return APIError(500, f"The engine replica died: {exc}", "server_error", code="engine_dead")
+        return engine_unavailable()
+    if isinstance(exc, (RayActorError, ActorUnavailableError)):   # the engine replica itself died
+        return engine_unavailable()
     if isinstance(exc, ValueError) and isinstance(exc, RayTaskError):  # the manager's own request checks
-        return APIError(400, str(exc.cause if getattr(exc, "cause", None) else exc))
+        return APIError(400, str(exc.cause if getattr(exc, "cause", None) else exc).splitlines()[0])
+    if isinstance(exc, RayError):
+        return internal_error()
     return None
+
+
+def log_refusal(err: APIError, what: str) -> None:
+    """Expected refusals (overload, dead engine) in one line, without a traceback."""
+    log.warning("%s refused: %d %s", what, err.status, err.code)
 
 
 @dataclass
@@ -180,8 +215,9 @@ class Choice:
 
     def __init__(self, engine: DeploymentHandle, router: StreamRouter, index: int, prompt_ids: list[int],
                  params: SamplingParams, stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 pool: concurrent.futures.Executor, eos_token_ids: frozenset[int] = frozenset()):
         self.engine, self.router, self.index, self.prompt_ids, self.params = engine, router, index, prompt_ids, params
+        self.pool = pool
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
         self.timer = timer
@@ -212,6 +248,10 @@ class Choice:
         if out.error:
             raise EngineDeadError(out.error)
         return out
+
+    async def _apply_off_loop(self, out: StepOutput) -> None:
+        """Detokenizing runs on the pool: the event loop keeps serving the other clients meanwhile."""
+        await asyncio.get_running_loop().run_in_executor(self.pool, self._apply, out)
 
     def _apply(self, out: StepOutput) -> None:
         if out.logprobs:
@@ -259,7 +299,7 @@ class Choice:
                 return
             if chunk or event.logprobs:
                 yield event
-            self._apply(await self._next_output())
+            await self._apply_off_loop(await self._next_output())
 
     async def _abort(self) -> None:
         """Stop the engine request after a stop string, keeping its stats from the final output.
@@ -340,6 +380,9 @@ class OpenAIServer:
         from ..engine.loader import load_chat_template, load_tokenizer
         from ..engine.model import ModelConfig
 
+        bind_replica_grpc_to_node_ip()
+        # one thread per encode: the tokenizer's own thread pool would take every core from the engine
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.engine = engine
         self.config = with_local_models(EngineConfig.model_validate(config))
         self.tokenizer = load_tokenizer(self.config.target)
@@ -352,12 +395,36 @@ class OpenAIServer:
         # engine request id -> its Choice while one exists: ids in use get no second request
         self.choices: weakref.WeakValueDictionary[str, Choice] = weakref.WeakValueDictionary()
         self.router = StreamRouter(serve.get_replica_context().replica_id.unique_id)
+        # prompts are encoded by a Rust tokenizer of their own, which counts tokens before any Python list
+        # is built; a long encode holds its tokenizer's lock, which would stall every stream's detokenizing
+        # on the shared one
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self.encoder = None if backend is None else type(backend).from_str(backend.to_str())
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="minedraft-tokens")
+        self.limits = IngressLimits.from_config(self.config)
         self.strings = TokenStrings(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self.model_name = self.config.served_model_name
         self.api_key_sha256 = api_key_sha256
         self.created = int(time.time())
         self.max_len: int | None = None   # the engine's context limit (it may lower max_len to the model's)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body within the size and time limits. Serve's proxy enforces them first where the ingress
+        guard is installed (serve/guard.py); this bounds deployments without it."""
+        limit = self.limits.max_body_bytes
+        if (declared_length(request.scope) or 0) > limit:
+            raise APIError(413, too_large_message(limit), code="request_too_large")
+        try:
+            body, _ = await read_body(request.receive, limit, self.limits.body_timeout_s)
+        except BodyTooLarge:
+            raise APIError(413, too_large_message(limit), code="request_too_large") from None
+        except BodyTimeout:
+            raise APIError(408, timeout_message(self.limits.body_timeout_s), code="request_timeout") from None
+        return body
 
     async def _context_limit(self) -> int:
         if self.max_len is None:
@@ -421,18 +488,30 @@ class OpenAIServer:
                 seed = None if req.seed is None else req.seed + i
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
-                choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
-                                      self.metrics.request(len(prompt)), self.eos_token_ids))
+                choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}",
+                                      self.tokenizer, self.metrics.request(len(prompt)), self.pool, self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
         try:
-            await asyncio.gather(*(c.accepted() for c in choices))
+            # a live engine answers at once (queued, or refused); no answer means no engine replica to take
+            # it (Serve is replacing a dead one): 503 now, not a request left waiting for the replacement
+            await asyncio.wait_for(asyncio.gather(*(c.accepted() for c in choices)), ENGINE_ACCEPT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            for c in choices:
+                c.close()
+            err = engine_unavailable()
+            log_refusal(err, "request (no engine replica answered)")
+            raise err from None
         except BaseException as e:
             for c in choices:
                 c.timer.refused()   # no request of vLLM's series: the client gets an error instead
                 c.close()
-            raise engine_error(e) or e
+            err = engine_error(e)
+            if err is None:
+                raise
+            log_refusal(err, "request")
+            raise err from None
         return choices
 
     async def _respond(self, req, choices: list[Choice], prompt_tokens: int, kind: str, request_id: str):
@@ -450,7 +529,11 @@ class OpenAIServer:
                 if event.finish_reason:
                     finals[event.index] = event
         except Exception as e:
-            raise engine_error(e) or e
+            err = engine_error(e)
+            if err is None:
+                raise
+            log_refusal(err, "request")
+            raise err from None
         out = []
         for c in choices:
             text = "".join(texts[c.index])
@@ -470,7 +553,7 @@ class OpenAIServer:
         kind = head["object"]
         head = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
         by_index = {c.index: c for c in choices}
-        started = set()
+        started, finished = set(), set()
         try:
             async for ev in _merge(choices):
                 choice = {"index": ev.index}
@@ -485,6 +568,8 @@ class OpenAIServer:
                     choice.update(text=ev.text, logprobs=lps)
                 choice["finish_reason"] = ev.finish_reason
                 choice["stop_reason"] = ev.stop_reason
+                if ev.finish_reason:
+                    finished.add(ev.index)
                 chunk = {**head, "choices": [choice]}
                 if ev.finish_reason:
                     chunk["minedraft"] = spec_stats([ev.stats], self.config.mode, self.config.k)
@@ -492,9 +577,18 @@ class OpenAIServer:
             if req.stream_options is not None and req.stream_options.include_usage:
                 completion_tokens = sum(c.num_tokens for c in choices)
                 yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-        except Exception as e:  # the headers are sent: the error goes into the stream
-            err = engine_error(e) or APIError(500, f"internal error: {e!r}", "server_error")
-            log.warning("stream %s failed: %s", head["id"], err.message)
+        except Exception as e:  # the headers are sent: each open choice ends, then the error goes into the stream
+            err = engine_error(e)
+            if err is None:
+                log.error("stream %s failed: %s", head["id"], type(e).__name__, exc_info=e)
+                err = internal_error()
+            else:
+                log.warning("stream %s ended: %d %s", head["id"], err.status, err.code)
+            for c in choices:
+                if c.index not in finished:
+                    end = {"index": c.index, "finish_reason": STREAM_ERROR_FINISH_REASON, "logprobs": None}
+                    end.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
+                    yield _sse({**head, "choices": [end]})
             yield _sse(err.body())
         yield _sse("[DONE]")
 
@@ -513,13 +607,22 @@ class OpenAIServer:
     # ---- endpoints -----------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
+        """Liveness only (no key needed, so nothing else): 200, or 503 while the engine is dead or restarting."""
         try:
-            info = await asyncio.wait_for(self.engine.info.remote(), 30)
-        except Exception as e:
-            return JSONResponse(error_body(f"engine unreachable: {e!r}", "server_error"), status_code=503)
-        if info.get("dead"):
-            return JSONResponse(error_body(f"engine is dead: {info['dead']}", "server_error"), status_code=503)
-        return {"status": "ok", "model": self.model_name, "drafter_alive": info.get("drafter_alive")}
+            info = await asyncio.wait_for(self.engine.info.remote(), HEALTH_TIMEOUT_S)
+            alive = not info.get("dead")
+        except Exception as e:  # noqa: BLE001 - unreachable is unhealthy, whatever the reason
+            log.warning("health: engine unreachable (%s)", type(e).__name__)
+            alive = False
+        if not alive:
+            err = engine_unavailable()
+            return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+        return {"status": "ok"}
+
+    @api.get("/openapi.json")
+    async def openapi(self, request: Request):
+        self._authorize(request)
+        return api.openapi()
 
     @api.get("/v1/models")
     async def models(self, request: Request):
@@ -547,10 +650,10 @@ class OpenAIServer:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
-        req: CompletionRequest = parse(CompletionRequest, await request.body())
+        req: CompletionRequest = await self._off_loop(parse, CompletionRequest, await self._read_body(request))
         req.check()
         self._check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._off_loop(self._completion_prompts, req.prompt, await self._context_limit())
         self.ignored.note("completions", req.ignored_fields())
         request_id = request_id_of(request.scope)
         choices = await self._start(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id)
@@ -559,16 +662,31 @@ class OpenAIServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        req: ChatCompletionRequest = parse(ChatCompletionRequest, await request.body())
+        req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, await self._read_body(request))
         req.check()
         self._check_model(req.model)
         self.ignored.note("chat/completions", req.ignored_fields())
-        prompt = self._chat_prompt(req)
+        prompt = await self._off_loop(self._chat_prompt, req, await self._context_limit())
         request_id = request_id_of(request.scope)
         choices = await self._start([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages", request_id)
         return await self._respond(req, choices, len(prompt), "chat.completion", request_id)
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
+    def _encode(self, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:
+        """Token ids of a prompt text (on the pool). A prompt at or over the context limit is refused from
+        its token count, before a list of its ids exists."""
+        if self.encoder is None:
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            count = len(ids)
+        else:
+            # encode_batch: the call that releases the GIL while it runs (encode holds it)
+            encoding = self.encoder.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            count, ids = len(encoding), None
+        if count >= limit:
+            raise APIError(400, f"The prompt has {count} tokens; the context limit is {limit} tokens "
+                           "(prompt + output).", param=param, code="context_length_exceeded")
+        return ids if ids is not None else encoding.ids
+
+    def _completion_prompts(self, prompt, limit: int) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts = [prompt]
         elif not prompt:
@@ -577,13 +695,13 @@ class OpenAIServer:
             prompts = prompt
         if isinstance(prompts[0], int):
             prompts = [prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self._encode(p, True, limit, "prompt") if isinstance(p, str) else list(p) for p in prompts]
         for p in ids:
             if any(not 0 <= t < self.vocab_size for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         return ids
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, limit: int) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"The model '{self.model_name}' has no chat template; use /v1/completions.",
                            param="messages")
@@ -594,8 +712,9 @@ class OpenAIServer:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                       **variables)
         except Exception as e:  # templates raise on e.g. roles out of order
-            raise APIError(400, f"The chat template rejected the messages: {e}", param="messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            raise APIError(400, f"The chat template rejected the messages: {str(e).splitlines()[0][:200]}",
+                           param="messages") from None
+        return self._encode(text, False, limit, "messages")
 
 
 # ---------------------------------------------------------------- application
@@ -621,6 +740,20 @@ def serve_limits(config: EngineConfig, replicas: int = 1) -> dict:
     is bounded too; the engine's queue is the one that answers 429 when full."""
     ongoing = (config.max_running + config.max_queued) * replicas + CONTROL_HEADROOM
     return {"max_ongoing_requests": ongoing, "max_queued_requests": ongoing}
+
+
+def ingress_limits(config: EngineConfig, replicas: int) -> dict:
+    """The ingress holds every request the engines may hold plus INGRESS_HEADROOM: connections still sending
+    their bodies (where Serve's proxy runs no ingress guard) or being refused must not take the slots that
+    /health and ordinary requests need; the engines' bounded queues answer overload (429)."""
+    ongoing = serve_limits(config, replicas)["max_ongoing_requests"] + INGRESS_HEADROOM
+    return {"max_ongoing_requests": ongoing, "max_queued_requests": ongoing}
+
+
+def http_options(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000) -> dict:
+    """Serve's HTTP options for `serve.start`; the body and header limits are the ingress guard's
+    (serve/guard.py), which Serve's proxy takes from its environment."""
+    return {"host": host, "port": port, "keep_alive_timeout_s": KEEP_ALIVE_TIMEOUT_S}
 
 
 def replica_options(config: EngineConfig) -> dict:
@@ -676,10 +809,12 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     engine = EngineServer.options(
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
         ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), **hub_env}, **serve_limits(config),
-        **replica_options(config),
+        **replica_options(config), health_check_period_s=config.health_check_period_s,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_s,
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
     return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
-                                **serve_limits(config, replicas), **ingress_options(config)).bind(
+                                **ingress_limits(config, replicas), **ingress_options(config),
+                                graceful_shutdown_timeout_s=config.graceful_shutdown_s).bind(
         engine, config.model_dump(), key_hash)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.sampling import MAX_LOGPROBS
+from .guard import RETRY_AFTER_S
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -36,6 +37,14 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def headers(self) -> dict[str, str]:
+        """Overload and engine restarts pass: say when to come back. A body left unread ends the connection."""
+        if self.status in (429, 503):
+            return {"Retry-After": str(RETRY_AFTER_S)}
+        if self.status in (408, 413):
+            return {"Connection": "close"}
+        return {}
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
