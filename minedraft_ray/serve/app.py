@@ -88,6 +88,7 @@ class EngineServer:
         await self.manager.start()
         self.mailbox_key = serve.get_replica_context().replica_id.unique_id
         self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
+        await self.outputs.mailbox.alive.remote()   # its process is up before the first request waits for it
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
         """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -47,26 +48,42 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
 
 @ray.remote(num_cpus=0)
 class Mailbox:
-    """Outputs of one engine replica waiting for their ingress replicas (subscribers)."""
+    """Outputs of one engine replica waiting for their ingress replicas (subscribers). A batch is kept as the bytes
+    the engine pickled: the mailbox neither unpickles nor imports what it carries."""
 
-    def __init__(self):
-        self.boxes: dict[str, list[StepOutput]] = defaultdict(list)
+    def __init__(self, stale_s: float = STALE_S):
+        self.stale_s = stale_s
+        self.boxes: dict[str, list[bytes]] = defaultdict(list)
         self.ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.last_seen: dict[str, float] = {}
+        self.next_seq = 0
+        self.early: dict[int, dict[str, bytes]] = {}   # batches that overtook an earlier one
 
-    async def put(self, batch: dict[str, list[StepOutput]]) -> None:
+    async def alive(self) -> bool:
+        return True
+
+    async def put(self, seq: int, batch: dict[str, bytes]) -> None:
+        """Batch `seq` of the engine replica's sequence: applied in that order (Ray does not keep the order of one
+        caller's tasks on an async actor), so a request's outputs stay in order."""
+        self.early[seq] = batch
+        while self.next_seq in self.early:
+            self._apply(self.early.pop(self.next_seq))
+            self.next_seq += 1
+
+    def _apply(self, batch: dict[str, bytes]) -> None:
         now = time.monotonic()
         for subscriber, outs in batch.items():
-            self.boxes[subscriber] += outs
+            self.boxes[subscriber].append(outs)
             self.last_seen.setdefault(subscriber, now)
             self.ready[subscriber].set()
-        for subscriber in [s for s, seen in self.last_seen.items() if now - seen > STALE_S]:
+        for subscriber in [s for s, seen in self.last_seen.items() if now - seen > self.stale_s]:
             self.boxes.pop(subscriber, None)
             self.ready.pop(subscriber, None)
             self.last_seen.pop(subscriber, None)
 
-    async def take(self, subscriber: str, timeout_s: float = POLL_S) -> list[StepOutput]:
-        """Everything waiting for `subscriber`, at once if there is some, else as soon as some comes (or [])."""
+    async def take(self, subscriber: str, timeout_s: float = POLL_S) -> list[bytes]:
+        """Everything waiting for `subscriber` (pickled lists of StepOutput, oldest first), at once if there is
+        some, else as soon as some comes (or [])."""
         self.last_seen[subscriber] = time.monotonic()
         if not self.boxes.get(subscriber):
             ready = self.ready[subscriber]
@@ -92,6 +109,7 @@ class OutputBatcher:
     def __init__(self, mailbox, interval_s: float):
         self.mailbox, self.interval_s = mailbox, interval_s
         self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
+        self.seq = 0
         self.last_flush = 0.0
         self.scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
         self.scheduled_at = 0.0
@@ -114,10 +132,12 @@ class OutputBatcher:
         self.scheduled = None
         if not self.pending:
             return
-        batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items()}
+        batch = {subscriber: pickle.dumps(list(outs.values()), protocol=pickle.HIGHEST_PROTOCOL)
+                 for subscriber, outs in self.pending.items()}
         self.pending = {}
         self.last_flush = asyncio.get_running_loop().time()
-        self.mailbox.put.remote(batch)   # calls from one process run in order: a request's outputs stay in order
+        self.mailbox.put.remote(self.seq, batch)
+        self.seq += 1
 
 
 class StreamRouter:
@@ -148,10 +168,11 @@ class StreamRouter:
     async def _poll(self, accepted: Accepted) -> None:
         try:
             while True:
-                for out in await accepted.mailbox.take.remote(self.subscriber):
-                    queue = self.queues.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                for batch in await accepted.mailbox.take.remote(self.subscriber):
+                    for out in pickle.loads(batch):
+                        queue = self.queues.get(out.request_id)
+                        if queue is not None:
+                            queue.put_nowait(out)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine replica (and its mailbox) died: its requests end with the error
