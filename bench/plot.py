@@ -189,7 +189,8 @@ def plot_serve_vs_offline(parquet, png) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_rows(parquet)
-    label = lambda r: f"{r['mode']}" + (f" k={r['k']}" if r.get("k") else "") + f" b={r['max_batch']}"
+    label = lambda r: (f"{r['label']}: " if r.get("label") else "") + f"{r['mode']}" + \
+        (f" k={r['k']}" if r.get("k") else "") + f" b={r['max_batch']}"
     closed = [r for r in rows if r["workload"] == "closed"]
     fig, (bars, online) = plt.subplots(1, 2, figsize=(13, 5))
     xs = range(len(closed))
@@ -222,6 +223,7 @@ def plot_serve_vs_offline(parquet, png) -> Path:
 
 PLOTS = {
     "serve_vs_offline": plot_serve_vs_offline,
+    "serve_vs_offline_cpu": plot_serve_vs_offline,
     "gemm_sweep": plot_gemm_sweep,
     "prefill_speed": bar_plot(lambda r: f"{r['prompts']}x{r['length']} {r['path']}", "wall_ms", "ms per prefill",
                               "Prefill: graphed vs eager (8B shape)"),

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import random
 import shutil
 import socket
@@ -31,16 +30,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-NAME = "serve_vs_offline"
+NAME = "serve_vs_offline"   # on a CPU: serve_vs_offline_cpu
 APP = "serve-vs-offline"
-CONFIG = ("mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
+CONFIG = ("label", "mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
           "ingress_replicas", "ingress_cpus", "stream_interval_ms")
-COLUMNS = ["mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
+COLUMNS = ["label", "mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
-TABLE_COLUMNS = ["mode", "k", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
+TABLE_COLUMNS = ["label", "mode", "k", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "chunk_gap_p50_ms",
                  "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
@@ -254,13 +253,17 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
     return kept + list(fresh.values())
 
 
+def result_name(device: str) -> str:
+    return NAME if device != "cpu" else f"{NAME}_cpu"
+
+
 def read_rows(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist() if path.is_file() else []
 
 
-def write(out: Path, rows: list[dict], device: str) -> Path:
+def write(out: Path, rows: list[dict], device: str, name: str = NAME) -> Path:
     from bench.common import write_results
 
     commands = list(dict.fromkeys(r["command"] for r in rows))
@@ -274,7 +277,7 @@ def write(out: Path, rows: list[dict], device: str) -> Path:
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
              "Commands: " + "; ".join(f"`{c}`" for c in commands)]
-    return write_results(rows, out, NAME, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
+    return write_results(rows, out, name, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
                          notes, TABLE_COLUMNS)
 
 
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--online-s", type=float, default=None, help="seconds of arrivals per load")
     ap.add_argument("--client-procs", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, the default pair, a handful of short requests")
+    ap.add_argument("--label", default=None, help="names this run's rows (e.g. the design measured); part of a "
+                    "row's configuration, so runs with different labels keep their rows side by side")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
     from bench.common import command_line
@@ -334,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--n-requests: one value, or one per --max-batch value")
     lo, hi = (int(x) for x in args.prompt_len.split("-"))
 
+    from minedraft_ray.ray_local import lock_down
+
+    if "ray" not in sys.modules:   # a private Ray of this process: loopback only, token auth (set before import)
+        lock_down()
     import ray
 
     from bench.common import device_name, git_sha, say
@@ -344,11 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     own_ray = not ray.is_initialized()
     temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp") if own_ray else None
     if own_ray:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         init_local_ray(num_gpus=None if gpu else 2, _temp_dir=temp_dir, log_to_driver=False)
     device = device_name(torch.device("cuda" if gpu else "cpu"))
     out = Path(args.out)
-    rows = read_rows(out / f"{NAME}.parquet")
+    name = result_name(args.device)
+    rows = read_rows(out / f"{name}.parquet")
     pool = mp.get_context("spawn").Pool(args.client_procs)
     try:
         for max_batch, n in zip(batches, n_requests):
@@ -367,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 offline = run_offline(settings, prompts, args.max_tokens)
                 say(f"{mode} max_batch={max_batch}: offline {offline:.0f} tok/s; Serve HTTP ...")
                 results = run_http(args, pool, settings, prompts, config.served_model_name)
-                context = {"mode": mode, "k": None if mode == "ar" else args.k, "max_batch": max_batch,
+                context = {"label": args.label, "mode": mode, "k": None if mode == "ar" else args.k, "max_batch": max_batch,
                            "n_requests": n, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                            "stream_interval_ms": args.stream_interval_ms, "client_procs": args.client_procs,
                            "ingress_replicas": getattr(config, "ingress_replicas", 1),
@@ -388,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                         f" step {row['engine_step_ms'] or 0:.1f} ms, errors {row['errors']}"
                         + (f" ({row['first_error']})" if row.get("first_error") else ""))
                 rows = merge(rows, new)
-                write(out, rows, device)   # after every configuration: a run cut short keeps what it measured
+                write(out, rows, device, name)   # after every configuration: a run cut short keeps what it measured
     finally:
         pool.close()
         pool.join()
@@ -398,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             serve.shutdown()
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
-    say(f"wrote {out / NAME}.{{parquet,md,png}}")
+    say(f"wrote {out / name}.{{parquet,md,png}}")
     return 0
 
 
