@@ -182,7 +182,7 @@ def plot_gemm_sweep(parquet, png) -> Path:
 
 def plot_serve_vs_offline(parquet, png) -> Path:
     """Left: closed tok/s of the HTTP and the offline path per configuration (the ratio above the bars); right:
-    online chunk-gap and TTFT percentiles against the load."""
+    online chunk-gap and TTFT percentiles against the arrival rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,12 +207,12 @@ def plot_serve_vs_offline(parquet, png) -> Path:
                       and r["n_requests"] == r0["n_requests"]), key=lambda r: r["load"])
         if not pts:
             continue
-        loads = [r["load"] for r in pts]
+        loads = [r["rate_rps"] for r in pts]   # the load is relative to each row's own capacity: rates compare
         color = f"C{i}"
         online.plot(loads, [r["chunk_gap_p50_ms"] for r in pts], "-o", color=color, label=f"{label(r0)} gap P50")
         online.plot(loads, [r["chunk_gap_p99_ms"] for r in pts], "--o", color=color, label=f"{label(r0)} gap P99")
         online.plot(loads, [r["ttft_p99_ms"] for r in pts], ":x", color=color, label=f"{label(r0)} TTFT P99")
-    online.set(xlabel="load (fraction of the HTTP capacity)", ylabel="ms", yscale="log",
+    online.set(xlabel="arrival rate (requests/s; 30/60/90 % of each row's HTTP capacity)", ylabel="ms", yscale="log",
                title="Online (Poisson): chunk gap and TTFT")
     online.legend(fontsize=7)
     fig.tight_layout()

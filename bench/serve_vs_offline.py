@@ -263,7 +263,7 @@ def read_rows(path: Path) -> list[dict]:
     return pq.read_table(path).to_pylist() if path.is_file() else []
 
 
-def write(out: Path, rows: list[dict], device: str, name: str = NAME) -> Path:
+def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_notes: list[str] = ()) -> Path:
     from bench.common import write_results
 
     commands = list(dict.fromkeys(r["command"] for r in rows))
@@ -276,7 +276,7 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME) -> Path:
              "request (chunks with text or the finish); `engine_step_ms`: the engine's median step (its last 200).",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
-             "Commands: " + "; ".join(f"`{c}`" for c in commands)]
+             "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]
     return write_results(rows, out, name, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
                          notes, TABLE_COLUMNS)
 
