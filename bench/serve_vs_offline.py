@@ -1,8 +1,12 @@
 """The same closed workload through the Serve HTTP endpoint and through the offline `LLM` API, in one command.
 
-    python -m bench.serve_vs_offline --mode ar --max-batch 64 --n-requests 256            # one GPU
-    python -m bench.serve_vs_offline --mode ar,sd --k 2 --max-batch 64,256 --n-requests 256,1024
+    python -m bench.serve_vs_offline --mode ar --max-batch 64 --n-requests 256            # one GPU, ~4 min
+    python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 64 --n-requests 256      # ~4 min
+    python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024          # ~5 min
+    python -m bench.serve_vs_offline --mode ar,sd --max-batch 64,256 --n-requests 256,1024   # all four, ~16 min
     python -m bench.serve_vs_offline --smoke                                               # CPU, default pair
+
+On a GPU the results go to <out>/serve_vs_offline.*, on a CPU to <out>/serve_vs_offline_cpu.*.
 
 Per configuration (mode x max_batch): the engine is built as `LLM` (in this process's Ray, its manager in an
 actor) and run on all prompts in one `generate` call; it is shut down and the same configuration is deployed as
@@ -54,6 +58,7 @@ class Shard:
     offsets: list[float]
     max_tokens: int
     start_at: float
+    read_timeout_s: float = 600.0
 
 
 @dataclass
@@ -104,7 +109,7 @@ async def _run_shard(shard: Shard) -> list[Trace]:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=shard.read_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         return await asyncio.gather(*(_completion(session, shard, p, shard.start_at + off)
                                       for p, off in zip(shard.prompts, shard.offsets)))
@@ -115,10 +120,11 @@ def run_shard(shard: Shard) -> list[dict]:
 
 
 def send(pool, procs: int, url: str, model: str, prompts: list[list[int]], offsets: list[float],
-         max_tokens: int) -> tuple[float, list[Trace]]:
+         max_tokens: int, read_timeout_s: float = 600.0) -> tuple[float, list[Trace]]:
     """Requests i at start + offsets[i], spread over the client processes; -> (start, traces)."""
     start = time.time() + 0.5   # every process is up and waiting before the first send
-    shards = [Shard(url, model, prompts[i::procs], offsets[i::procs], max_tokens, start) for i in range(procs)]
+    shards = [Shard(url, model, prompts[i::procs], offsets[i::procs], max_tokens, start, read_timeout_s)
+              for i in range(procs)]
     traces = [Trace(**t) for part in pool.map(run_shard, shards) for t in part]
     return start, traces
 
@@ -224,8 +230,11 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
 
     url = deploy(settings)
     try:
-        send(pool, args.client_procs, url, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4)
-        start, traces = send(pool, args.client_procs, url, model, prompts, [0.0] * len(prompts), args.max_tokens)
+        timeout = args.read_timeout_s
+        send(pool, args.client_procs, url, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4,
+             timeout)
+        start, traces = send(pool, args.client_procs, url, model, prompts, [0.0] * len(prompts), args.max_tokens,
+                             timeout)
         closed = {"workload": "closed", "load": None, **trace_stats(traces, start), "engine_step_ms": engine_step_ms(url)}
         results = [closed]
         capacity_rps = (closed["http_tokens_per_s"] or 0) / args.max_tokens
@@ -234,7 +243,7 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
             n = max(args.client_procs, round(rate * args.online_s))
             offsets = poisson_offsets(rate, n, seed=round(load * 1000))
             online_prompts = [prompts[i % len(prompts)] for i in range(n)]
-            _, traces = send(pool, args.client_procs, url, model, online_prompts, offsets, args.max_tokens)
+            _, traces = send(pool, args.client_procs, url, model, online_prompts, offsets, args.max_tokens, timeout)
             results.append({"workload": "online", "load": load, "rate_rps": rate, **trace_stats(traces),
                             "engine_step_ms": engine_step_ms(url)})
         return results
@@ -305,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.3,0.6,0.9", help="online loads, fractions of the HTTP capacity ('' none)")
     ap.add_argument("--online-s", type=float, default=None, help="seconds of arrivals per load")
     ap.add_argument("--client-procs", type=int, default=None)
+    ap.add_argument("--read-timeout-s", type=float, default=None, help="a stream silent this long is an error "
+                    "(default 600; smoke 60)")
     ap.add_argument("--smoke", action="store_true", help="CPU, the default pair, a handful of short requests")
     ap.add_argument("--label", default=None, help="names this run's rows (e.g. the design measured); part of a "
                     "row's configuration, so runs with different labels keep their rows side by side")
@@ -327,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.online_s = args.online_s or (1.0 if args.smoke else 15.0)
+    args.online_s = args.online_s or (1.0 if args.smoke else 10.0)
+    args.read_timeout_s = args.read_timeout_s or (60.0 if args.smoke else 600.0)
     args.client_procs = args.client_procs or (2 if args.device == "cpu" else 4)
     args.loads = [float(x) for x in args.loads.split(",") if x]
     modes = args.mode.split(",")

@@ -1,6 +1,6 @@
-"""bench/serve_vs_offline.py in its --smoke form on the CPU (the default pair, the session's Ray cluster): both paths
-run, the files are written, and the closed row carries both tok/s and their ratio. The statistics are checked
-without Ray."""
+"""bench/serve_vs_offline.py in its --smoke form on the CPU (the default pair, the session's Ray cluster, two ingress
+replicas): both paths run, the files are written, and the closed row carries both tok/s and their ratio. The
+statistics are checked without Ray."""
 import pyarrow.parquet as pq
 import pytest
 
@@ -24,17 +24,19 @@ def test_merge_replaces_a_configuration():
 
 
 def test_smoke(ray_cluster, tmp_path):
+    # two ingress replicas: both subscribe to the engine replica's mailbox, each gets only its own requests' outputs
     assert main(["--smoke", "--n-requests", "6", "--max-tokens", "12", "--loads", "0.5", "--online-s", "0.5",
-                 "--out", str(tmp_path)]) == 0
+                 "--ingress-replicas", "2", "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "serve_vs_offline_cpu.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "serve_vs_offline_cpu.parquet").to_pylist()
     closed = next(r for r in rows if r["workload"] == "closed")
     assert closed["completed"] == 6 and closed["errors"] == 0, closed["first_error"]
+    assert closed["ingress_replicas"] == 2
     assert closed["http_tokens_per_s"] > 0 and closed["offline_tokens_per_s"] > 0
     assert closed["http_over_offline"] == pytest.approx(closed["http_tokens_per_s"] / closed["offline_tokens_per_s"])
     assert closed["ttft_p50_ms"] <= closed["ttft_p99_ms"] and closed["chunk_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]
     online = next(r for r in rows if r["workload"] == "online")
     assert online["load"] == 0.5 and online["rate_rps"] > 0 and online["errors"] == 0, online["first_error"]
     md = (tmp_path / "serve_vs_offline_cpu.md").read_text()
-    assert "`python -m bench.serve_vs_offline --smoke" in md and "Ingress (OpenAIServer): 1 replica(s)" in md
+    assert "`python -m bench.serve_vs_offline --smoke" in md and "Ingress (OpenAIServer): 2 replica(s)" in md
     assert (tmp_path / "serve_vs_offline_cpu.png").is_file()
