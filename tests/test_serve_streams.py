@@ -1,0 +1,108 @@
+"""serve/streams.py with a real Mailbox actor in the session's Ray cluster: the engine side sends a request's outputs
+merged, at most once per interval except its first and last; the ingress side hands them to their requests' queues,
+and fails the requests of a mailbox that died."""
+import asyncio
+import pickle
+import time
+
+import pytest
+
+from minedraft_ray.runtime.manager import StepOutput
+from minedraft_ray.serve.streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
+
+
+def unpickled(batches: list[bytes]) -> list[StepOutput]:
+    return [out for batch in batches for out in pickle.loads(batch)]
+
+
+def test_mailbox_applies_batches_in_their_order(ray_cluster):
+    import ray
+
+    from minedraft_ray.serve.streams import Mailbox
+
+    async def scenario():
+        mailbox = Mailbox.remote()
+        await mailbox.put.remote(1, {"s": pickle.dumps([StepOutput("a", [2])])})   # overtook batch 0
+        assert await mailbox.take.remote("s", 0.1) == []
+        await mailbox.put.remote(0, {"s": pickle.dumps([StepOutput("a", [1])])})
+        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("s"))] == [[1], [2]]
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
+def test_merge_outputs():
+    a = StepOutput("r", [1, 2], [{"lp": 1}, {"lp": 2}])
+    b = StepOutput("r", [3], [{"lp": 3}], finished=True, finish_reason="length", stats={"x": 1})
+    m = merge_outputs(a, b)
+    assert m.new_token_ids == [1, 2, 3] and len(m.logprobs) == 3 and m.finished and m.stats == {"x": 1}
+    assert merge_outputs(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None
+
+
+def test_batches_per_interval_and_urgent_outputs_go_at_once(ray_cluster):
+    async def scenario():
+        mailbox = start_mailbox()
+        await mailbox.alive.remote()   # the actor is up
+        batcher = OutputBatcher(mailbox, interval_s=1.0)
+        t0 = time.perf_counter()
+        batcher.put("ingress", StepOutput("a", [1]), urgent=True)        # a's first output: at once
+        first = unpickled(await mailbox.take.remote("ingress"))
+        assert [o.new_token_ids for o in first] == [[1]] and time.perf_counter() - t0 < 0.8
+        for token in (2, 3, 4):                                          # within one interval: one output
+            batcher.put("ingress", StepOutput("a", [token]))
+            batcher.put("ingress", StepOutput("b", [10 + token]))
+        batched = unpickled(await mailbox.take.remote("ingress"))
+        assert time.perf_counter() - t0 >= 0.95
+        assert {o.request_id: o.new_token_ids for o in batched} == {"a": [2, 3, 4], "b": [12, 13, 14]}
+        t1 = time.perf_counter()
+        batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once
+        last = unpickled(await mailbox.take.remote("ingress"))
+        assert last[0].finished and time.perf_counter() - t1 < 0.8
+        assert await mailbox.take.remote("ingress", 0.1) == []          # nothing left: an empty answer
+        import ray
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
+def test_router_hands_outputs_to_their_requests_and_fails_them_when_the_mailbox_dies(ray_cluster):
+    import ray
+
+    async def scenario():
+        mailbox = start_mailbox()
+        router = StreamRouter("ingress-1")
+        qa, qb = router.open("a"), router.open("b")
+        router.watch("a", Accepted(mailbox, "engine-1"))
+        router.watch("b", Accepted(mailbox, "engine-1"))
+        assert len(router.pollers) == 1                                  # one long-poll per mailbox
+        await mailbox.put.remote(0, {"ingress-1": pickle.dumps([StepOutput("a", [1]), StepOutput("b", [2]),
+                                                                StepOutput("x", [3])]),
+                                     "ingress-2": pickle.dumps([StepOutput("c", [4])])})
+        assert (await asyncio.wait_for(qa.get(), 10)).new_token_ids == [1]
+        assert (await asyncio.wait_for(qb.get(), 10)).new_token_ids == [2]
+        router.close("b")
+        ray.kill(mailbox)                                               # its engine replica died with it
+        failed = await asyncio.wait_for(qa.get(), 30)
+        assert failed.finished and "died" in failed.error
+        assert qb.empty() and "engine-1" not in router.pollers
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stale", [True, False])
+def test_mailbox_drops_outputs_nobody_polls(ray_cluster, stale):
+    import ray
+
+    from minedraft_ray.serve.streams import Mailbox
+
+    async def scenario():
+        mailbox = Mailbox.remote(stale_s=0.5)
+        await mailbox.put.remote(0, {"gone": pickle.dumps([StepOutput("a", [1])])})
+        if stale:   # the subscriber's replica is gone: a later put, for anyone, drops its outputs
+            await asyncio.sleep(0.7)
+        await mailbox.put.remote(1, {"other": pickle.dumps([StepOutput("b", [2])])})
+        got = unpickled(await mailbox.take.remote("gone", 0.1))
+        assert [o.new_token_ids for o in got] == ([] if stale else [[1]])
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
