@@ -183,7 +183,9 @@ def plot_gemm_sweep(parquet, png) -> Path:
 PLOTS = {
     "gemm_sweep": plot_gemm_sweep,
     "prefill_speed": bar_plot(lambda r: f"{r['prompts']}x{r['length']} {r['path']}", "wall_ms", "ms per prefill",
-                              "Prefill: graphed vs eager (8B shape)"),
+                              "Prefill: graphed vs eager vs packed (8B shape)"),
+    "prefill_longtail": bar_plot(lambda r: r["path"], "tokens_per_s", "prompt tokens/s",
+                                 "Prefill of long-tailed prompts: packed vs padded"),
     "psd_vs_sd": plot_psd_vs_sd,
     "runtime_parity": bar_plot(lambda r: f"{r['mode']} m={r['m']}" + (f" k={r['k']}" if r["k"] else ""),
                                "change_over_parent", "tok/s, change / parent",
