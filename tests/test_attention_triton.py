@@ -386,3 +386,12 @@ def test_cuda_packed_graph_replay_follows_new_requests():
     from minedraft_ray.engine.attention import attend_packed_reference
     ref = attend_packed_reference(q.float(), k_cache.float(), v_cache.float(), token_slots, positions, 0.125)
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+@interpreter_only
+def test_packed_default_tiles_8b_heads(attend_packed_cpu):
+    # the tiles a GPU launch uses (128 rows of bf16, head dim 128), blocks straddling four requests
+    case = make_packed_case([(0, 0, 50), (2, 30, 9), (1, 0, 1), (3, 0, 40)], groups=4, head_dim=128,
+                            dtype=torch.bfloat16, kv_heads=2, rows=80)
+    out = attend_packed_cpu(*case, scale=128 ** -0.5)
+    torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])

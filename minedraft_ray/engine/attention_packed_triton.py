@@ -78,9 +78,10 @@ def _attend_packed_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def launch_shape(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): prefill-sized tiles, smaller for wide heads so K/V fit shared memory."""
-    return (128, 64, 8) if head_dim <= 128 else (64, 32, 4)
+def launch_shape(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): prefill-sized tiles for 16-bit heads up to 128 wide, smaller ones for wider
+    heads or fp32 so the q tile, accumulator and pipelined K/V tiles fit registers and shared memory."""
+    return (128, 64, 8) if head_dim <= 128 and dtype.itemsize <= 2 else (64, 32, 4)
 
 
 def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_slots: torch.Tensor,
@@ -102,7 +103,7 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if T == 0:
         return out
     G = Hq // Hkv
-    default_m, default_n, num_warps = launch_shape(D)
+    default_m, default_n, num_warps = launch_shape(D, q.dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     _attend_packed_kernel[(triton.cdiv(T * G, block_m), Hkv)](
         q, k_cache, v_cache, token_slots, positions, out,
