@@ -180,7 +180,48 @@ def plot_gemm_sweep(parquet, png) -> Path:
     return Path(png)
 
 
+def plot_serve_vs_offline(parquet, png) -> Path:
+    """Left: closed tok/s of the HTTP and the offline path per configuration (the ratio above the bars); right:
+    online chunk-gap and TTFT percentiles against the load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    label = lambda r: f"{r['mode']}" + (f" k={r['k']}" if r.get("k") else "") + f" b={r['max_batch']}"
+    closed = [r for r in rows if r["workload"] == "closed"]
+    fig, (bars, online) = plt.subplots(1, 2, figsize=(13, 5))
+    xs = range(len(closed))
+    bars.bar([x - 0.2 for x in xs], [r["http_tokens_per_s"] or 0 for r in closed], 0.4, label="HTTP (Serve)")
+    bars.bar([x + 0.2 for x in xs], [r["offline_tokens_per_s"] or 0 for r in closed], 0.4, label="offline LLM")
+    for x, r in zip(xs, closed):
+        top = max(r["http_tokens_per_s"] or 0, r["offline_tokens_per_s"] or 0)
+        bars.annotate(f"{r['http_over_offline'] or 0:.2f}x", (x, top), ha="center", va="bottom")
+    bars.set_xticks(list(xs), [label(r) for r in closed], rotation=20)
+    bars.set(ylabel="output tokens/s", title="Closed workload: HTTP vs offline")
+    bars.legend()
+    for i, r0 in enumerate(closed):
+        pts = sorted((r for r in rows if r["workload"] == "online" and label(r) == label(r0)
+                      and r["n_requests"] == r0["n_requests"]), key=lambda r: r["load"])
+        if not pts:
+            continue
+        loads = [r["load"] for r in pts]
+        color = f"C{i}"
+        online.plot(loads, [r["chunk_gap_p50_ms"] for r in pts], "-o", color=color, label=f"{label(r0)} gap P50")
+        online.plot(loads, [r["chunk_gap_p99_ms"] for r in pts], "--o", color=color, label=f"{label(r0)} gap P99")
+        online.plot(loads, [r["ttft_p99_ms"] for r in pts], ":x", color=color, label=f"{label(r0)} TTFT P99")
+    online.set(xlabel="load (fraction of the HTTP capacity)", ylabel="ms", yscale="log",
+               title="Online (Poisson): chunk gap and TTFT")
+    online.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return Path(png)
+
+
 PLOTS = {
+    "serve_vs_offline": plot_serve_vs_offline,
     "gemm_sweep": plot_gemm_sweep,
     "prefill_speed": bar_plot(lambda r: f"{r['prompts']}x{r['length']} {r['path']}", "wall_ms", "ms per prefill",
                               "Prefill: graphed vs eager (8B shape)"),

@@ -92,6 +92,11 @@ class EngineConfig(BaseModel):
     num_replicas: int = Field(1, ge=1, description="engine replicas (autoscaling: the initial count)")
     min_replicas: int | None = Field(None, ge=1, description="autoscaling floor (default 1; needs max_replicas)")
     max_replicas: int | None = Field(None, ge=1, description="autoscale engine replicas up to this many")
+    # the OpenAI ingress (tokenize, detokenize, SSE) scales on its own: it serves every engine replica's streams
+    ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas (autoscaling: the initial count)")
+    ingress_max_replicas: int | None = Field(None, ge=1, description="autoscale ingress replicas up to this many")
+    ingress_cpus: float = Field(0.1, gt=0, description="CPUs reserved per ingress replica (a Ray reservation, "
+                                "not a cap: what it takes from the cluster's schedulable CPUs)")
     # ingress and failure handling (serve/guard.py, serve/app.py, docs/security.md)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; a larger "
                                 "one is answered 413")
@@ -123,6 +128,9 @@ class EngineConfig(BaseModel):
                 raise ValueError("min_replicas needs max_replicas (autoscaling)")
         elif (self.min_replicas or 1) > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.ingress_max_replicas is not None and self.ingress_replicas > self.ingress_max_replicas:
+            raise ValueError(f"ingress_replicas ({self.ingress_replicas}) > ingress_max_replicas "
+                             f"({self.ingress_max_replicas})")
         return self
 
     @property
@@ -150,7 +158,7 @@ class EngineConfig(BaseModel):
         for name in cls.model_fields:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                nullable = ("draft", "num_slots", "min_replicas", "max_replicas")
+                nullable = ("draft", "num_slots", "min_replicas", "max_replicas", "ingress_max_replicas")
                 values[name] = None if raw.lower() in ("", "none", "null") and name in nullable else raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.model_validate(values)

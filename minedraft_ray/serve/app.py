@@ -4,13 +4,15 @@
     serve.run(build_app({"mode": "psd", "max_batch": 16}))
 
 EngineServer: its replica owns the MineDraft placement group (bundle 0 is the replica itself, the other
-bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager, and streams
-StepOutputs (token ids, logprobs, stats). Scale-out is data parallel: `num_replicas` (or autoscaling between
+bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager; the StepOutputs
+(token ids, logprobs, stats) of all its requests reach the ingress in step batches through its mailbox
+(serve/streams.py). Scale-out is data parallel: `num_replicas` (or autoscaling between
 `min_replicas` and `max_replicas`) engine replicas, each with its own placement group, so each replica's
 drafter and verifier stay on one node. A request lives on the replica Serve routed it to; only its own
 stream reaches it again (see Choice._abort).
 
-OpenAIServer (ingress): tokenizes, validates, detokenizes, cuts stop strings and formats the responses.
+OpenAIServer (ingress, `ingress_replicas` of them or autoscaled): tokenizes, validates, detokenizes, cuts stop
+strings and formats the responses.
 Detokenizing here keeps that CPU work off the engine replica, whose event loop drives the step loop.
 Streamed and non-streamed responses run the same code (`_run_choices`), so their texts are equal.
 
@@ -56,6 +58,7 @@ from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, eng
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
+from .streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -68,6 +71,7 @@ HEALTH_TIMEOUT_S = 5.0
 ENGINE_ACCEPT_TIMEOUT_S = 5.0   # longest wait for an engine replica to take a request
 KEEP_ALIVE_TIMEOUT_S = 5   # idle keep-alive connections close after this (uvicorn's timer, Serve's option)
 CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
+INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling adds one
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
 STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
@@ -82,23 +86,35 @@ class EngineServer:
         bind_replica_grpc_to_node_ip()
         self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)))
         await self.manager.start()
+        self.mailbox_key = serve.get_replica_context().replica_id.unique_id
+        self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
-        """StepOutputs of one request. The first item comes at once: an empty StepOutput once the request is
-        queued (so the ingress can answer 200 and start streaming), or the error that refused it."""
-        stream = self.manager.generate(prompt_ids, params, request_id)
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
+        """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer
+        200 and start streaming), or the error that refused it; its outputs go to `subscriber` (the ingress replica)
+        through the mailbox. The stream stays open while the request runs: cancelling it aborts the request."""
+        stream = self.manager.generate(prompt_ids, params, request_id, interval_s=0.0)   # batched here instead
         # generate() checks the queue and registers the request in its first step, before any await:
         # one pass of the loop runs it, so refusals (overload, dead engine, bad request) raise right here
         first = asyncio.ensure_future(anext(stream))
+        accepted = False
         try:
             await asyncio.sleep(0)
-            if not first.done():
-                yield StepOutput(request_id, [])
+            if first.done() and first.exception() is not None:
+                raise first.exception()
+            accepted = True
+            yield Accepted(self.outputs.mailbox, self.mailbox_key)
             out = await first
-            yield out
-            if not out.finished:
-                async for out in stream:
-                    yield out
+            self.outputs.put(subscriber, out, urgent=True)
+            while not out.finished:
+                out = await anext(stream)
+                self.outputs.put(subscriber, out)
+        except Exception as e:
+            if not accepted:
+                raise   # refused: the error is the stream's first item
+            # accepted, then the engine failed: in band (the ingress reads only the mailbox now), to fail the request
+            self.outputs.put(subscriber, StepOutput(request_id, [], None, True, "abort", None,
+                                                    str(e) if isinstance(e, EngineDeadError) else repr(e)))
         finally:  # cancelled by a disconnect or a stop string: closing the stream aborts the request
             first.cancel()
             with suppress(BaseException):
@@ -197,10 +213,10 @@ class Event:
 class Choice:
     """One output sequence: an engine stream plus the text built from it."""
 
-    def __init__(self, engine: DeploymentHandle, index: int, prompt_ids: list[int], params: SamplingParams,
-                 stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
+    def __init__(self, engine: DeploymentHandle, router: StreamRouter, index: int, prompt_ids: list[int],
+                 params: SamplingParams, stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
                  pool: concurrent.futures.Executor, eos_token_ids: frozenset[int] = frozenset()):
-        self.engine, self.index, self.prompt_ids, self.params = engine, index, prompt_ids, params
+        self.engine, self.router, self.index, self.prompt_ids, self.params = engine, router, index, prompt_ids, params
         self.pool = pool
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
@@ -211,15 +227,27 @@ class Choice:
         self.sent_tokens = 0
         self.finish_reason: str | None = None
         self.stats: dict | None = None
-        self.stream = None
+        self.stream = None            # the request's Serve call: open while it runs, cancelled to abort it
+        self.outputs: asyncio.Queue | None = None
         self.done = False
 
     def submit(self) -> None:
-        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id)
+        self.outputs = self.router.open(self.request_id)
+        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id,
+                                                                       self.router.subscriber)
 
     async def accepted(self) -> None:
-        """The engine's first answer: an empty StepOutput once queued, or the error that refused the request."""
-        await self._apply_off_loop(await self.stream.__anext__())
+        """The engine's first answer: Accepted once queued, or the error that refused the request."""
+        self.router.watch(self.request_id, await self.stream.__anext__())
+
+    async def _next_output(self) -> StepOutput:
+        """The next output, merged with any that queued up behind it (one event for what came in one batch)."""
+        out = await self.outputs.get()
+        while not out.finished and not self.outputs.empty():
+            out = merge_outputs(out, self.outputs.get_nowait())
+        if out.error:
+            raise EngineDeadError(out.error)
+        return out
 
     async def _apply_off_loop(self, out: StepOutput) -> None:
         """Detokenizing runs on the pool: the event loop keeps serving the other clients meanwhile."""
@@ -271,11 +299,7 @@ class Choice:
                 return
             if chunk or event.logprobs:
                 yield event
-            try:
-                out = await self.stream.__anext__()
-            except StopAsyncIteration:
-                raise EngineDeadError("the engine stream ended without a final output") from None
-            await self._apply_off_loop(out)
+            await self._apply_off_loop(await self._next_output())
 
     async def _abort(self) -> None:
         """Stop the engine request after a stop string, keeping its stats from the final output.
@@ -286,13 +310,12 @@ class Choice:
         async def drain():
             if not await self.engine.abort.remote(self.request_id):
                 raise LookupError(self.request_id)
-            async for out in self.stream:
-                if out.finished:
-                    self.stats, self.done = out.stats, True
-                    return
+            while not (out := await self._next_output()).finished:
+                pass
+            self.stats, self.done = out.stats, True
         try:
             await asyncio.wait_for(drain(), ABORT_DRAIN_S)
-        except (asyncio.TimeoutError, StopAsyncIteration, LookupError):
+        except (asyncio.TimeoutError, LookupError, EngineDeadError):
             self.close()
         self.done = True
 
@@ -300,6 +323,7 @@ class Choice:
         if self.stream is not None and not self.done:
             self.stream.cancel()   # the engine replica sees CancelledError and aborts the request
             self.done = True
+        self.router.close(self.request_id)
         self.timer.on_finished("abort", None)   # no-op after a finish; else the client went away
 
     @property
@@ -349,7 +373,7 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-@serve.deployment(name="OpenAIServer", num_replicas=1)
+@serve.deployment(name="OpenAIServer")
 @serve.ingress(api)
 class OpenAIServer:
     def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
@@ -370,6 +394,7 @@ class OpenAIServer:
         self.ignored = IgnoredFields(self.metrics.ignored_fields)
         # engine request id -> its Choice while one exists: ids in use get no second request
         self.choices: weakref.WeakValueDictionary[str, Choice] = weakref.WeakValueDictionary()
+        self.router = StreamRouter(serve.get_replica_context().replica_id.unique_id)
         # prompts are encoded by a Rust tokenizer of their own, which counts tokens before any Python list
         # is built; a long encode holds its tokenizer's lock, which would stall every stream's detokenizing
         # on the shared one
@@ -463,8 +488,8 @@ class OpenAIServer:
                 seed = None if req.seed is None else req.seed + i
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
-                choices.append(Choice(self.engine, index, prompt, params, stop, f"{base}-{index}", self.tokenizer,
-                                      self.metrics.request(len(prompt)), self.pool, self.eos_token_ids))
+                choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}",
+                                      self.tokenizer, self.metrics.request(len(prompt)), self.pool, self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
@@ -742,6 +767,17 @@ def replica_options(config: EngineConfig) -> dict:
         "max_replicas": config.max_replicas, "target_ongoing_requests": config.max_running}}
 
 
+def ingress_options(config: EngineConfig) -> dict:
+    """A fixed number of ingress replicas, or autoscaling up to ingress_max_replicas. Every stream of every engine
+    replica passes through an ingress replica (detokenizing and SSE framing per chunk), so it scales with the
+    streams it carries: a replica is full at INGRESS_TARGET_STREAMS ongoing requests."""
+    if config.ingress_max_replicas is None:
+        return {"num_replicas": config.ingress_replicas}
+    return {"autoscaling_config": {"min_replicas": 1, "initial_replicas": config.ingress_replicas,
+                                   "max_replicas": config.ingress_max_replicas,
+                                   "target_ongoing_requests": INGRESS_TARGET_STREAMS}}
+
+
 HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
 
 
@@ -778,6 +814,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
-    return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1, **hub_env}, **ingress_limits(config, replicas),
+    return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
+                                **ingress_limits(config, replicas), **ingress_options(config),
                                 graceful_shutdown_timeout_s=config.graceful_shutdown_s).bind(
         engine, config.model_dump(), key_hash)

@@ -1,0 +1,406 @@
+"""The same closed workload through the Serve HTTP endpoint and through the offline `LLM` API, in one command.
+
+    python -m bench.serve_vs_offline --mode ar --max-batch 64 --n-requests 256            # one GPU
+    python -m bench.serve_vs_offline --mode ar,sd --k 2 --max-batch 64,256 --n-requests 256,1024
+    python -m bench.serve_vs_offline --smoke                                               # CPU, default pair
+
+Per configuration (mode x max_batch): the engine is built as `LLM` (in this process's Ray, its manager in an
+actor) and run on all prompts in one `generate` call; it is shut down and the same configuration is deployed as
+the Serve app (engine replica + OpenAI ingress), which gets the same prompts as streaming completions sent at
+once by client processes (aiohttp, separate from the server), then Poisson arrivals at `--loads` x the measured
+HTTP capacity. Each engine is built twice: both hold the verifier's GPU, one device cannot hold two.
+
+Rows (merged into <out>/serve_vs_offline.parquet by configuration): `closed` has the tok/s of both paths and
+`http_over_offline`; TTFT and the chunk gap (time between consecutive streamed chunks of a request) are the HTTP
+path's; `online` rows the same percentiles at each load. `engine_step_ms` is the engine replica's median step.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+NAME = "serve_vs_offline"
+APP = "serve-vs-offline"
+CONFIG = ("mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
+          "ingress_replicas", "ingress_cpus", "stream_interval_ms")
+COLUMNS = ["mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
+           "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
+           "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
+           "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
+           "git_sha", "command"]
+TABLE_COLUMNS = ["mode", "k", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
+                 "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "chunk_gap_p50_ms",
+                 "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
+
+
+# ---- clients (separate processes) ---------------------------------------------------------------------
+@dataclass
+class Shard:
+    """One client process's share: prompts and their send times (seconds after start_at, wall clock)."""
+    url: str
+    model: str
+    prompts: list[list[int]]
+    offsets: list[float]
+    max_tokens: int
+    start_at: float
+
+
+@dataclass
+class Trace:
+    """One streamed completion as the client saw it (wall clock, seconds)."""
+    sent: float
+    chunks: list[float] = field(default_factory=list)   # arrival of each chunk carrying text or the finish
+    tokens: int = 0
+    error: str | None = None
+
+
+async def _completion(session, shard: Shard, prompt: list[int], send_at: float) -> Trace:
+    import aiohttp
+
+    await asyncio.sleep(max(0.0, send_at - time.time()))
+    trace = Trace(time.time())
+    body = {"model": shard.model, "prompt": prompt, "max_tokens": shard.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with session.post(shard.url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                trace.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return trace
+            done = False
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                now = time.time()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    trace.error = str(chunk["error"].get("message"))[:200]
+                elif chunk.get("usage"):
+                    trace.tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and (chunk["choices"][0]["text"] or chunk["choices"][0]["finish_reason"]):
+                    trace.chunks.append(now)
+            if not done and trace.error is None:
+                trace.error = f"the stream ended without [DONE] after {len(trace.chunks)} chunks"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        trace.error = repr(e)[:200]
+    return trace
+
+
+async def _run_shard(shard: Shard) -> list[Trace]:
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        return await asyncio.gather(*(_completion(session, shard, p, shard.start_at + off)
+                                      for p, off in zip(shard.prompts, shard.offsets)))
+
+
+def run_shard(shard: Shard) -> list[dict]:
+    return [asdict(t) for t in asyncio.run(_run_shard(shard))]
+
+
+def send(pool, procs: int, url: str, model: str, prompts: list[list[int]], offsets: list[float],
+         max_tokens: int) -> tuple[float, list[Trace]]:
+    """Requests i at start + offsets[i], spread over the client processes; -> (start, traces)."""
+    start = time.time() + 0.5   # every process is up and waiting before the first send
+    shards = [Shard(url, model, prompts[i::procs], offsets[i::procs], max_tokens, start) for i in range(procs)]
+    traces = [Trace(**t) for part in pool.map(run_shard, shards) for t in part]
+    return start, traces
+
+
+# ---- statistics ---------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+
+def trace_stats(traces: list[Trace], start: float | None = None) -> dict:
+    """tok/s over the span from the first send (or `start`) to the last chunk; TTFT and chunk gaps in ms."""
+    ok = [t for t in traces if t.error is None and t.chunks]
+    ttft = [(t.chunks[0] - t.sent) * 1e3 for t in ok]
+    gaps = [(b - a) * 1e3 for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    begin = start if start is not None else min((t.sent for t in traces), default=0.0)
+    span = max((t.chunks[-1] for t in ok), default=begin) - begin
+    tokens = sum(t.tokens for t in ok)
+    return {"http_tokens_per_s": tokens / span if span > 0 else None, "completed": len(ok),
+            "errors": len(traces) - len(ok), "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "chunk_gap_p50_ms": percentile(gaps, 50), "chunk_gap_p99_ms": percentile(gaps, 99),
+            "chunks_per_request": statistics.mean(len(t.chunks) for t in ok) if ok else None,
+            "first_error": next((t.error for t in traces if t.error), None)}
+
+
+def poisson_offsets(rate: float, n: int, seed: int) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# ---- the two paths ------------------------------------------------------------------------------------
+def make_prompts(n: int, lo: int, hi: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine_args(args, mode: str, max_batch: int, n_requests: int, prompt_hi: int) -> dict:
+    settings = {"mode": mode, "k": args.k, "max_batch": max_batch, "max_len": prompt_hi + args.max_tokens + 16,
+                "max_queued": max(n_requests, 64), "device": args.device, "dtype": args.dtype,
+                "stream_interval_ms": args.stream_interval_ms}
+    if args.target:
+        settings["target"] = args.target
+    if mode == "ar":
+        settings["draft"] = None
+    elif args.draft:
+        settings["draft"] = args.draft
+    if args.device == "cpu":
+        settings["torch_threads"] = 1
+    return settings
+
+
+def run_offline(settings: dict, prompts: list[list[int]], max_tokens: int) -> float:
+    """tok/s of one `LLM.generate` call on every prompt (after a short warm-up call)."""
+    from minedraft_ray import LLM, SamplingParams
+    from minedraft_ray.config import EngineConfig
+
+    llm = LLM(config=EngineConfig.model_validate(settings))
+    try:
+        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate(prompts[:settings["max_batch"]], warm)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t0
+        return sum(len(o.token_ids) for o in outs) / elapsed
+    finally:
+        llm.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(settings: dict) -> str:
+    """The Serve app for `settings` on 127.0.0.1; -> its base URL."""
+    from ray import serve
+
+    from minedraft_ray.serve.app import build_app_with_key
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    http = serve.context._get_global_client().http_config   # the first start in this Ray wins: ask
+    serve.run(build_app_with_key(settings, None), name=APP, route_prefix="/")
+    return f"http://{http.host}:{http.port}"
+
+
+def engine_step_ms(url: str) -> float | None:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/minedraft/info", timeout=30) as r:
+        return json.loads(r.read()).get("recent_steps", {}).get("step_ms")
+
+
+def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -> list[dict]:
+    """Closed burst, then Poisson loads: a stats dict per workload (closed first)."""
+    from ray import serve
+
+    url = deploy(settings)
+    try:
+        send(pool, args.client_procs, url, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4)
+        start, traces = send(pool, args.client_procs, url, model, prompts, [0.0] * len(prompts), args.max_tokens)
+        closed = {"workload": "closed", "load": None, **trace_stats(traces, start), "engine_step_ms": engine_step_ms(url)}
+        results = [closed]
+        capacity_rps = (closed["http_tokens_per_s"] or 0) / args.max_tokens
+        for load in args.loads:
+            rate = load * capacity_rps
+            n = max(args.client_procs, round(rate * args.online_s))
+            offsets = poisson_offsets(rate, n, seed=round(load * 1000))
+            online_prompts = [prompts[i % len(prompts)] for i in range(n)]
+            _, traces = send(pool, args.client_procs, url, model, online_prompts, offsets, args.max_tokens)
+            results.append({"workload": "online", "load": load, "rate_rps": rate, **trace_stats(traces),
+                            "engine_step_ms": engine_step_ms(url)})
+        return results
+    finally:
+        serve.delete(APP)
+
+
+# ---- results ------------------------------------------------------------------------------------------
+def config_of(row: dict) -> tuple:
+    return tuple(row.get(c) for c in CONFIG)
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    fresh = {config_of(r): r for r in new}
+    kept = [fresh.pop(config_of(r), r) for r in old]
+    return kept + list(fresh.values())
+
+
+def read_rows(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist() if path.is_file() else []
+
+
+def write(out: Path, rows: list[dict], device: str) -> Path:
+    from bench.common import write_results
+
+    commands = list(dict.fromkeys(r["command"] for r in rows))
+    ingress = sorted({(r["ingress_replicas"], r["ingress_cpus"]) for r in rows})
+    notes = ["Closed: all `n_requests` streaming completions (`/v1/completions`, prompt token ids, `ignore_eos`, "
+             "`max_tokens` each) sent at once by `client_procs` aiohttp client processes; the offline path is one "
+             "`LLM.generate` call on the same prompts, with the same engine settings, built anew (one device "
+             "holds one engine). `http_over_offline` = HTTP tok/s / offline tok/s.",
+             "TTFT: send -> first streamed chunk; chunk gap: time between consecutive streamed chunks of a "
+             "request (chunks with text or the finish); `engine_step_ms`: the engine's median step (its last 200).",
+             "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
+             "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
+             "Commands: " + "; ".join(f"`{c}`" for c in commands)]
+    return write_results(rows, out, NAME, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
+                         notes, TABLE_COLUMNS)
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="ar", help="comma-separated: ar, sd, sd_split, psd")
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--max-batch", default=None, help="comma-separated; each with every mode (default 64; smoke 4)")
+    ap.add_argument("--n-requests", default=None, help="one value, or one per --max-batch value (default 256; "
+                    "smoke 8)")
+    ap.add_argument("--prompt-len", default=None, help="prompt lengths (token ids), uniform in LO-HI (default "
+                    "128-512; smoke 8-24)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 128; smoke 16)")
+    ap.add_argument("--target", default=None, help="default random:llama-8b (GPU), the default pair (--smoke)")
+    ap.add_argument("--draft", default=None, help="default random:llama-1b (GPU), the default pair (--smoke)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    ap.add_argument("--stream-interval-ms", type=float, default=20.0)
+    ap.add_argument("--ingress-replicas", type=int, default=None, help="OpenAIServer replicas (default: config's)")
+    ap.add_argument("--ingress-cpus", type=float, default=None, help="CPUs per OpenAIServer replica")
+    ap.add_argument("--loads", default="0.3,0.6,0.9", help="online loads, fractions of the HTTP capacity ('' none)")
+    ap.add_argument("--online-s", type=float, default=None, help="seconds of arrivals per load")
+    ap.add_argument("--client-procs", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, the default pair, a handful of short requests")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    from bench.common import command_line
+
+    command = command_line("bench.serve_vs_offline", argv)
+
+    import torch
+
+    gpu = torch.cuda.is_available() and not args.smoke
+    args.device = args.device or ("cuda" if gpu else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "auto")
+    if not args.smoke:
+        args.target = args.target or "random:llama-8b"
+        args.draft = args.draft or "random:llama-1b"
+    defaults = {"max_batch": "4", "n_requests": "8", "max_tokens": 16, "prompt_len": "8-24"} if args.smoke else \
+        {"max_batch": "64", "n_requests": "256", "max_tokens": 128, "prompt_len": "128-512"}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.online_s = args.online_s or (1.0 if args.smoke else 15.0)
+    args.client_procs = args.client_procs or (2 if args.device == "cpu" else 4)
+    args.loads = [float(x) for x in args.loads.split(",") if x]
+    modes = args.mode.split(",")
+    batches = parse_ints(args.max_batch)
+    n_requests = parse_ints(args.n_requests)
+    if len(n_requests) == 1:
+        n_requests *= len(batches)
+    if len(n_requests) != len(batches):
+        ap.error("--n-requests: one value, or one per --max-batch value")
+    lo, hi = (int(x) for x in args.prompt_len.split("-"))
+
+    import ray
+
+    from bench.common import device_name, git_sha, say
+    from minedraft_ray.engine.model import ModelConfig
+    from minedraft_ray.engine.presets import resolve_model
+    from minedraft_ray.runtime.llm import init_local_ray
+
+    own_ray = not ray.is_initialized()
+    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp") if own_ray else None
+    if own_ray:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        init_local_ray(num_gpus=None if gpu else 2, _temp_dir=temp_dir, log_to_driver=False)
+    device = device_name(torch.device("cuda" if gpu else "cpu"))
+    out = Path(args.out)
+    rows = read_rows(out / f"{NAME}.parquet")
+    pool = mp.get_context("spawn").Pool(args.client_procs)
+    try:
+        for max_batch, n in zip(batches, n_requests):
+            for mode in modes:
+                settings = engine_args(args, mode, max_batch, n, hi)
+                if args.ingress_replicas is not None:
+                    settings["ingress_replicas"] = args.ingress_replicas
+                if args.ingress_cpus is not None:
+                    settings["ingress_cpus"] = args.ingress_cpus
+                from minedraft_ray.config import EngineConfig
+
+                config = EngineConfig.model_validate(settings)
+                target_dir = resolve_model(config.target)
+                prompts = make_prompts(n, lo, hi, ModelConfig.from_pretrained(target_dir).vocab_size)
+                say(f"{mode} max_batch={max_batch}: offline LLM ...")
+                offline = run_offline(settings, prompts, args.max_tokens)
+                say(f"{mode} max_batch={max_batch}: offline {offline:.0f} tok/s; Serve HTTP ...")
+                results = run_http(args, pool, settings, prompts, config.served_model_name)
+                context = {"mode": mode, "k": None if mode == "ar" else args.k, "max_batch": max_batch,
+                           "n_requests": n, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+                           "stream_interval_ms": args.stream_interval_ms, "client_procs": args.client_procs,
+                           "ingress_replicas": getattr(config, "ingress_replicas", 1),
+                           "ingress_cpus": getattr(config, "ingress_cpus", 0.1),
+                           "models": f"{config.target} / {config.draft}" if mode != "ar" else config.target,
+                           "device": device, "git_sha": git_sha(), "command": command}
+                new = []
+                for res in results:
+                    row = {**context, **res}
+                    if row["workload"] == "closed":
+                        row["offline_tokens_per_s"] = offline
+                        row["http_over_offline"] = (row["http_tokens_per_s"] or 0) / offline
+                    new.append(row)
+                    say(f"  {row['workload']} load={row['load']}: http {row['http_tokens_per_s'] or 0:.0f} tok/s"
+                        + (f" ({row['http_over_offline']:.2f}x offline)" if row.get("http_over_offline") else "")
+                        + f", ttft p50/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p99_ms'] or 0:.0f} ms, "
+                        f"chunk gap p50/p99 {row['chunk_gap_p50_ms'] or 0:.1f}/{row['chunk_gap_p99_ms'] or 0:.1f} ms,"
+                        f" step {row['engine_step_ms'] or 0:.1f} ms, errors {row['errors']}"
+                        + (f" ({row['first_error']})" if row.get("first_error") else ""))
+                rows = merge(rows, new)
+                write(out, rows, device)   # after every configuration: a run cut short keeps what it measured
+    finally:
+        pool.close()
+        pool.join()
+        if own_ray:
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    say(f"wrote {out / NAME}.{{parquet,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

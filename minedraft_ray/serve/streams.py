@@ -1,0 +1,165 @@
+"""Engine outputs to the ingress in step batches: one Ray message per stream interval for every request of an ingress
+replica, instead of one Serve streaming item per request per interval.
+
+A per-request Serve stream costs CPU at each end per item (the engine replica's Serve generator machinery runs in
+the process whose event loop drives the step loop; the ingress deserialises, routes and wakes a task per item), so
+at a few hundred streams the items, not the engine, set the pace. Here a request's Serve call
+(`EngineServer.generate`) carries only its admission (`Accepted`) and stays open as the request's handle
+(cancelling it aborts the request on the replica that holds it); its outputs go to the replica's `OutputBatcher`,
+which merges each request's outputs and sends everything pending to the replica's `Mailbox` actor in one call per
+`stream_interval_ms` (a request's first output and its last go at once). Each ingress replica long-polls the
+mailboxes of the engine replicas it has requests on (`StreamRouter`) and hands the outputs to their requests'
+queues. The mailbox is owned by the engine replica's process, so it dies with it and the pollers see the failure.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..runtime.manager import StepOutput
+
+log = logging.getLogger("minedraft.serve")
+
+POLL_S = 5.0           # a mailbox long-poll returns empty after this long
+STALE_S = 120.0        # outputs of a subscriber that has not polled for this long are dropped (its replica is gone)
+
+
+@dataclass
+class Accepted:
+    """A request's first item on its Serve stream: queued on an engine replica, whose outputs come through `mailbox`
+    (`key` names that replica's mailbox)."""
+    mailbox: object
+    key: str
+
+
+def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive outputs of one request as one (b's finish, stats and error win)."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, logprobs, b.finished, b.finish_reason,
+                      b.stats, b.error)
+
+
+@ray.remote(num_cpus=0)
+class Mailbox:
+    """Outputs of one engine replica waiting for their ingress replicas (subscribers)."""
+
+    def __init__(self):
+        self.boxes: dict[str, list[StepOutput]] = defaultdict(list)
+        self.ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.last_seen: dict[str, float] = {}
+
+    async def put(self, batch: dict[str, list[StepOutput]]) -> None:
+        now = time.monotonic()
+        for subscriber, outs in batch.items():
+            self.boxes[subscriber] += outs
+            self.last_seen.setdefault(subscriber, now)
+            self.ready[subscriber].set()
+        for subscriber in [s for s, seen in self.last_seen.items() if now - seen > STALE_S]:
+            self.boxes.pop(subscriber, None)
+            self.ready.pop(subscriber, None)
+            self.last_seen.pop(subscriber, None)
+
+    async def take(self, subscriber: str, timeout_s: float = POLL_S) -> list[StepOutput]:
+        """Everything waiting for `subscriber`, at once if there is some, else as soon as some comes (or [])."""
+        self.last_seen[subscriber] = time.monotonic()
+        if not self.boxes.get(subscriber):
+            ready = self.ready[subscriber]
+            ready.clear()
+            try:
+                await asyncio.wait_for(ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return []
+        self.last_seen[subscriber] = time.monotonic()
+        return self.boxes.pop(subscriber, [])
+
+
+def start_mailbox():
+    """A mailbox on this node, owned by (and dying with) the calling process."""
+    node = ray.get_runtime_context().get_node_id()
+    return Mailbox.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+
+
+class OutputBatcher:
+    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox at most
+    once per interval; a request's first output and its last are sent at once."""
+
+    def __init__(self, mailbox, interval_s: float):
+        self.mailbox, self.interval_s = mailbox, interval_s
+        self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
+        self.last_flush = 0.0
+        self.scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.scheduled_at = 0.0
+
+    def put(self, subscriber: str, out: StepOutput, urgent: bool = False) -> None:
+        outs = self.pending.setdefault(subscriber, {})
+        prev = outs.get(out.request_id)
+        outs[out.request_id] = out if prev is None else merge_outputs(prev, out)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = now if urgent or out.finished else max(now, self.last_flush + self.interval_s)
+        if self.scheduled is not None and self.scheduled_at <= due:
+            return
+        if self.scheduled is not None:
+            self.scheduled.cancel()
+        self.scheduled_at = due
+        self.scheduled = loop.call_soon(self.flush) if due <= now else loop.call_at(due, self.flush)
+
+    def flush(self) -> None:
+        self.scheduled = None
+        if not self.pending:
+            return
+        batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items()}
+        self.pending = {}
+        self.last_flush = asyncio.get_running_loop().time()
+        self.mailbox.put.remote(batch)   # calls from one process run in order: a request's outputs stay in order
+
+
+class StreamRouter:
+    """Ingress side: one long-poll per engine replica's mailbox, its outputs handed to their requests' queues."""
+
+    def __init__(self, subscriber: str):
+        self.subscriber = subscriber
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.mailbox_of: dict[str, str] = {}          # request id -> mailbox key
+        self.pollers: dict[str, asyncio.Task] = {}    # mailbox key -> its poll task
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        queue = self.queues[request_id] = asyncio.Queue()
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+        self.mailbox_of.pop(request_id, None)
+
+    def watch(self, request_id: str, accepted: Accepted) -> None:
+        """The request's outputs come from `accepted`'s mailbox: poll it (once per mailbox)."""
+        if request_id not in self.queues:
+            return
+        self.mailbox_of[request_id] = accepted.key
+        if accepted.key not in self.pollers:
+            self.pollers[accepted.key] = asyncio.get_running_loop().create_task(self._poll(accepted))
+
+    async def _poll(self, accepted: Accepted) -> None:
+        try:
+            while True:
+                for out in await accepted.mailbox.take.remote(self.subscriber):
+                    queue = self.queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the engine replica (and its mailbox) died: its requests end with the error
+            log.warning("engine outputs unreachable (%s): failing its requests", e)
+            for request_id, key in list(self.mailbox_of.items()):
+                if key == accepted.key and request_id in self.queues:
+                    self.queues[request_id].put_nowait(StepOutput(request_id, [], finished=True,
+                                                                  finish_reason="abort",
+                                                                  error=f"the engine replica died: {e}"))
+        finally:
+            self.pollers.pop(accepted.key, None)
