@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -52,6 +53,15 @@ def lock_down(environ=os.environ) -> Path:
     environ[AUTH_TOKEN_PATH_ENV] = str(path)
     _locked = path
     return path
+
+
+def prepare_token_auth() -> None:
+    """Called by modules that import Ray (runtime/llm.py) just before they do: a process that has not
+    imported Ray yet and has not chosen an auth mode gets token authentication, which Ray fixes at import.
+    Its private instances get a token at start (start_local_ray); joining a cluster then needs that
+    cluster's token (RAY_AUTH_TOKEN_PATH), or RAY_AUTH_MODE=disabled for a cluster without authentication."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault(AUTH_MODE_ENV, "token")
 
 
 def start_local_ray(**init_kwargs):

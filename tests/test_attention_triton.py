@@ -142,6 +142,72 @@ def test_launch_config_from_env(monkeypatch):
         config_from_env()
 
 
+@pytest.fixture
+def attend_packed_cpu(attend_cpu):  # attend_cpu patches the interpreter's bf16 dot
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton
+
+    return attend_packed_triton
+
+
+def make_packed_case(requests, groups, head_dim, dtype, kv_heads=2, rows=40, num_slots=6, device="cpu"):
+    """requests: (slot, first position, tokens) each, packed back to back; keys past each slot's last
+    position stay NaN, so a kernel that reads them (or another request's) fails the comparison."""
+    torch.manual_seed(0)
+    T = sum(n for _, _, n in requests)
+    q = torch.randn(T, kv_heads * groups, head_dim, dtype=dtype, device=device)
+    k_cache = torch.full((num_slots, rows, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    token_slots = torch.cat([torch.full((n,), s) for s, _, n in requests]).to(device)
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests]).to(device)
+    for slot, first, n in requests:
+        k_cache[slot, :first + n] = torch.randn(first + n, kv_heads, head_dim, dtype=dtype, device=device)
+        v_cache[slot, :first + n] = torch.randn(first + n, kv_heads, head_dim, dtype=dtype, device=device)
+    return q, k_cache, v_cache, token_slots, positions
+
+
+def reference_packed(q, k_cache, v_cache, token_slots, positions, scale):
+    # each token as a one-query row of its own slot
+    return reference_attend(q[:, None], k_cache, v_cache, token_slots, positions[:, None], scale)[:, 0]
+
+
+# a fresh prompt, a chunk continuing slot 0 at position 3, one token, a chunk ending at the last cache row,
+# and three padding tokens at position 0 of slot 1 (what a graphed launch pads with)
+PACKED_REQUESTS = [(5, 0, 9), (0, 3, 6), (3, 0, 1), (2, 40 - 7, 7), (1, 0, 1)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("block_m", [16, 64])  # 16: blocks straddle requests; 64: one block holds several
+def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m):
+    case = make_packed_case(PACKED_REQUESTS, groups, head_dim=16, dtype=dtype)
+    out = attend_packed_cpu(*case, scale=0.25, block_m=block_m, block_n=16)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[dtype])
+
+
+@interpreter_only
+def test_packed_padding_tokens_share_a_row(attend_packed_cpu):
+    # several tokens at the same (slot, position), as graph padding is: each sees that one key
+    case = make_packed_case([(4, 0, 5), (1, 0, 1)], groups=2, head_dim=16, dtype=torch.float32)
+    q, k_cache, v_cache, token_slots, positions = case
+    token_slots, positions = torch.cat([token_slots, torch.ones(3, dtype=torch.int64)]), torch.cat(
+        [positions, torch.zeros(3, dtype=torch.int64)])
+    q = torch.cat([q, torch.randn(3, *q.shape[1:])])
+    out = attend_packed_cpu(q, k_cache, v_cache, token_slots, positions, 0.25, block_m=16, block_n=16)
+    torch.testing.assert_close(out, reference_packed(q, k_cache, v_cache, token_slots, positions, 0.25),
+                               **TOL[torch.float32])
+
+
+@interpreter_only
+def test_packed_torch_reference_matches(attend_packed_cpu):
+    from minedraft_ray.engine.attention import attend_packed_reference
+
+    case = make_packed_case(PACKED_REQUESTS, groups=2, head_dim=16, dtype=torch.float32)
+    torch.testing.assert_close(attend_packed_reference(*case, scale=0.25), reference_packed(*case, scale=0.25),
+                               **TOL[torch.float32])
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -285,3 +351,47 @@ def test_cuda_model_step_with_and_without_rope_kernel(monkeypatch):
     torch.testing.assert_close(fused, torch_path, atol=1e-5, rtol=1e-5)
     for a, b in zip(fused_cache.k + fused_cache.v, torch_cache.k + torch_cache.v):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@cuda
+def test_cuda_packed_matches_reference_at_8b_shape():
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton
+
+    # 8B heads, long-tailed lengths: one prompt of 3000, a chunk continuing at 1500, short ones
+    requests = [(0, 0, 3000), (3, 1500, 700), (1, 0, 5), (7, 0, 300), (2, 0, 1), (5, 200, 64)]
+    case = make_packed_case(requests, groups=4, head_dim=128, dtype=torch.bfloat16, kv_heads=8, rows=4106,
+                            num_slots=8, device="cuda")
+    out = attend_packed_triton(*case, scale=128 ** -0.5)
+    from minedraft_ray.engine.attention import attend_packed_reference
+    ref = attend_packed_reference(*(t.float() if t.is_floating_point() else t for t in case), scale=128 ** -0.5)
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+@cuda
+def test_cuda_packed_graph_replay_follows_new_requests():
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton
+
+    q, k_cache, v_cache, token_slots, positions = make_packed_case(
+        [(0, 0, 40), (1, 10, 24)], groups=4, head_dim=64, dtype=torch.bfloat16, kv_heads=8, rows=256, device="cuda")
+    k_cache.normal_(), v_cache.normal_()  # every slot live: the replay reads slots the capture did not
+    attend_packed_triton(q, k_cache, v_cache, token_slots, positions, 0.125)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_packed_triton(q, k_cache, v_cache, token_slots, positions, 0.125)
+    # same token count, another mix: three requests on other slots, one continuing at 200
+    token_slots.copy_(torch.tensor([2] * 20 + [3] * 4 + [4] * 40, device="cuda"))
+    positions.copy_(torch.cat([torch.arange(20), torch.arange(200, 204), torch.arange(40)]).cuda())
+    graph.replay()
+    from minedraft_ray.engine.attention import attend_packed_reference
+    ref = attend_packed_reference(q.float(), k_cache.float(), v_cache.float(), token_slots, positions, 0.125)
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+@interpreter_only
+def test_packed_default_tiles_8b_heads(attend_packed_cpu):
+    # the tiles a GPU launch uses (128 rows of bf16, head dim 128), blocks straddling four requests
+    case = make_packed_case([(0, 0, 50), (2, 30, 9), (1, 0, 1), (3, 0, 40)], groups=4, head_dim=128,
+                            dtype=torch.bfloat16, kv_heads=2, rows=80)
+    out = attend_packed_cpu(*case, scale=128 ** -0.5)
+    torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])

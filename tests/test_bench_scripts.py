@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script, variants", [("gemm_sweep", {"linear", "matmul_t"}),
-                                              ("prefill_speed", {"eager", "graph"})])
+                                              ("prefill_speed", {"eager", "graph", "packed"})])
 def test_sweep_smoke(tmp_path, script, variants):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
@@ -35,3 +35,19 @@ def test_drafter_kill_drill_smoke(ray_cluster, tmp_path):
     assert main(["--fake-gpus", "--modes", "psd", "--requests", "4", "--max-tokens", "30", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "drafter_kill.json").read_text())
     assert summary["passed"] and summary["results"][0]["equal_to_ar"] == 4
+
+
+def test_prefill_longtail_and_check_smoke(tmp_path):
+    """Packed vs padded prefill on long-tailed lengths writes both rows and the ratio; the correctness check
+    (packed, one at a time, chunked vs padded, fp32 and bf16) passes."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for workload in ("longtail", "check"):
+        proc = subprocess.run([sys.executable, "-m", "bench.prefill_speed", "--smoke", "--workload", workload,
+                               "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "all ok" in proc.stdout and proc.stdout.count(" ok") >= 6
+    rows = {r["path"]: r for r in pq.read_table(tmp_path / "prefill_longtail.parquet").to_pylist()}
+    assert set(rows) == {"padded", "packed"} and rows["padded"]["speedup_over_padded"] == 1.0
+    assert rows["packed"]["tokens"] == rows["padded"]["tokens"] > 0 and rows["packed"]["tokens_per_s"] > 0
+    assert "lognormal, median 10" in (tmp_path / "prefill_longtail.md").read_text()

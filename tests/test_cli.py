@@ -171,7 +171,7 @@ def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
         out = cmd.wait_for("Ctrl-C to stop", timeout=240)
         url = f"http://127.0.0.1:{port}"
         assert f"{url}/v1" in out and f"http://127.0.0.1:{dashboard_port}" in out
-        assert requests.get(f"http://127.0.0.1:{dashboard_port}/api/version", timeout=30).status_code == 200
+        check_locked_down(cmd, out, dashboard_port)
         models = requests.get(url + "/v1/models", timeout=30).json()
         assert [m["id"] for m in models["data"]] == [model]
         r = requests.post(url + "/v1/completions", timeout=120,
@@ -184,6 +184,40 @@ def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
     finally:
         code = cmd.interrupt()
     assert code == 0 and "shutting down" in cmd.output()
+
+
+def check_locked_down(cmd: "Command", out: str, dashboard_port: int) -> None:
+    """Every listener of the command's Ray on 127.0.0.1; the dashboard's and the agent's job APIs refuse
+    requests without the Ray token (they run shell commands), and take the one in the printed file."""
+    import re
+
+    token = Path(re.search(r"Ray token (\S+)", out).group(1)).read_text().strip()
+    group = {int(p) for p in os.listdir("/proc") if p.isdigit() and _pgid(int(p)) == cmd.proc.pid}
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    ours = [(line.split()[3], line.split()[-1]) for line in lines if {int(p) for p in re.findall(r"pid=(\d+)", line)} & group]
+    assert any("gcs_server" in p for _, p in ours) and any("DashboardA" in p for _, p in ours), ours
+    assert not [(a, p) for a, p in ours if a.rsplit(":", 1)[0] not in ("127.0.0.1", "[::ffff:127.0.0.1]")], ours
+    dashboard = f"http://127.0.0.1:{dashboard_port}"
+    assert requests.get(dashboard + "/api/version", timeout=30).status_code == 401
+    bearer = {"Authorization": f"Bearer {token}"}
+    assert requests.get(dashboard + "/api/version", headers=bearer, timeout=30).status_code == 200
+    job = {"entrypoint": "id"}
+    assert requests.post(dashboard + "/api/jobs/", json=job, timeout=30).status_code == 401
+    for address, process in ours:
+        if "DashboardA" in process:
+            try:
+                r = requests.post(f"http://127.0.0.1:{address.rsplit(':', 1)[1]}/api/job_agent/jobs/", json=job,
+                                  timeout=5)
+            except requests.RequestException:
+                continue   # its gRPC port
+            assert r.status_code in (401, 404, 405), (address, r.status_code)   # never runs the job
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def test_serve_run_of_the_yaml(run_env, tmp_path):

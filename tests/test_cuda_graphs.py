@@ -24,20 +24,28 @@ def _greedy(runner, slots, first, steps):
     return out
 
 
-@pytest.mark.parametrize("lengths, shape", [([5], (1, 16)), ([31, 33], (2, 48)), ([7, 64, 100], (4, 128)),
-                                           ([200, 3, 9, 250], (4, 256)), ([513], None), ([300] * 3, None)])
-def test_cuda_graphed_prefill_matches_eager(tiny_llama, lengths, shape):
+# lengths, the padded path's graph shape (rows, padded length), the packed path's graph bucket (tokens)
+CASES = [([5], (1, 16), 16), ([31, 33], (2, 48), 64), ([7, 64, 100], (4, 128), 256),
+         ([200, 3, 9, 250], (4, 256), 512), ([513], None, 1024), ([300] * 3, None, 1024), ([500, 530], None, None)]
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("lengths, shape, bucket", CASES)
+def test_cuda_graphed_prefill_matches_eager(tiny_llama, lengths, shape, bucket, packed):
     graphed, eager = _runners(tiny_llama)
     gen = torch.Generator().manual_seed(len(lengths))
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
     slots = [5 - i for i in range(len(prompts))]
-    # another request already decoding in slot 0: the padding rows of a graphed prefill must not touch it
+    # another request already decoding in slot 0: the padding rows/tokens of a graphed prefill must not touch it
     for runner in (graphed, eager):
-        runner.prefill([0], [list(range(3, 40))])
-    before = set(graphed._prefill_graphs)
-    logits = [runner.prefill(slots, prompts).clone() for runner in (graphed, eager)]
-    # the smallest captured shape that holds the prompts, or eager past PREFILL_GRAPH_TOKENS / 512 tokens
-    assert set(graphed._prefill_graphs) - before == ({shape} if shape else set())
+        runner.prefill([0], [list(range(3, 40))], packed=packed)
+    graphs = graphed._packed_graphs if packed else graphed._prefill_graphs
+    before = set(graphs)
+    logits = [runner.prefill(slots, prompts, packed=packed).clone() for runner in (graphed, eager)]
+    # padded: the smallest captured shape that holds the prompts, or eager past PREFILL_GRAPH_TOKENS / 512 tokens;
+    # packed: the smallest token bucket that holds them all, or eager past the largest
+    new = bucket if packed else shape
+    assert set(graphs) - before == ({new} if new and new not in before else set())
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert graphed.cache.lengths.tolist() == eager.cache.lengths.tolist()
     first = logits[1].argmax(-1)

@@ -129,6 +129,7 @@ def test_ray_refuses_clients_and_jobs_without_the_token(ray_cluster):
 
     gcs = ray.get_runtime_context().gcs_address
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_NUM_REDIS_GET_RETRIES"] = "2"   # a refused connection is not retried for 20 s
     code = f"import ray; ray.init(address={gcs!r}); print(ray.get(ray.remote(lambda: 'ran').remote()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "ran" not in out.stdout

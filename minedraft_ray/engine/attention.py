@@ -4,6 +4,11 @@
 the torch reference below otherwise. The reference reads only the live prefix of each slot, which
 needs one host sync (`positions.max()`), so it is not for CUDA graph capture. `triton_op` also serves
 model.rope_write_kv (RoPE + this K/V write in one kernel, rope_kv_triton.py).
+
+`attend_packed` is the varlen form used by packed prefill: a flat run of tokens from several requests,
+each token carrying its own slot and position, and seeing keys 0..position of its own slot only. Its
+Triton kernel (attention_packed_triton.py) reads only per-token tensors, so a CUDA graph captured for a
+token count serves any mix of requests that fills it.
 """
 from __future__ import annotations
 
@@ -49,3 +54,28 @@ def attend(q, k_cache, v_cache, slots, positions, scale) -> torch.Tensor:
         if kernel is not None:
             return kernel(q, k_cache, v_cache, slots, positions, scale)
     return attend_reference(q, k_cache, v_cache, slots, positions, scale)
+
+
+def attend_packed_reference(q, k_cache, v_cache, token_slots, positions, scale) -> torch.Tensor:
+    # q: [T, Hq, D]; token t sees keys 0..positions[t] of slot token_slots[t] -> [T, Hq, D]
+    out = torch.empty_like(q)
+    for slot in token_slots.unique().tolist():  # host syncs: one attention per request in the pack
+        rows = (token_slots == slot).nonzero().squeeze(1)  # [L]
+        pos = positions[rows]
+        live = int(pos.max()) + 1
+        k = k_cache[slot, :live].transpose(0, 1)  # [Hkv, live, D]
+        v = v_cache[slot, :live].transpose(0, 1)
+        mask = torch.arange(live, device=q.device) <= pos[:, None]  # [L, live]
+        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[0])  # [Hq, L, D]
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def attend_packed(q, k_cache, v_cache, token_slots, positions, scale) -> torch.Tensor:
+    # q: [T, Hq, D]; k_cache, v_cache: [S, R, Hkv, D]; token_slots, positions: [T] -> [T, Hq, D]
+    if q.is_cuda:
+        kernel = triton_op("attention_packed_triton", "attend_packed_triton")
+        if kernel is not None:
+            return kernel(q, k_cache, v_cache, token_slots, positions, scale)
+    return attend_packed_reference(q, k_cache, v_cache, token_slots, positions, scale)

@@ -12,7 +12,7 @@ from .kv_cache import MAX_K, KVCache, SlotAllocator
 from .loader import check_pair, load_model, load_tokenizer
 from .presets import resolve_model
 from .request import Request
-from .runner import ModelRunner
+from .runner import PREFILL_TOKEN_BUDGET, ModelRunner
 from .sampling import SamplingBatch, SamplingParams
 from .spec import Drafter, DraftRow, Verifier
 
@@ -73,7 +73,8 @@ class Engine:
     def __init__(self, target: str | Path, draft: str | Path | None = None, mode: str = "sd", k: int = 4,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None, max_batch: int = 8,
                  max_len: int | None = None, num_slots: int | None = None, draft_temperature: float = 0.0,
-                 draft_top_k: int = 64, cuda_graphs: bool = True, memory_fraction: float = 0.85):
+                 draft_top_k: int = 64, cuda_graphs: bool = True, memory_fraction: float = 0.85,
+                 packed_prefill: bool = True, max_prefill_tokens: int = PREFILL_TOKEN_BUDGET):
         if mode not in ENGINE_MODES:
             raise ValueError(f"mode must be one of {ENGINE_MODES}, got {mode!r}")
         if mode == "sd" and draft is None:
@@ -98,10 +99,11 @@ class Engine:
         num_slots = self._fit_slots(num_slots, [m for m in (target_model, draft_model) if m is not None],
                                     memory_fraction)
         self.slots = SlotAllocator(num_slots)
+        prefill = dict(packed_prefill=packed_prefill, max_prefill_tokens=max_prefill_tokens)
         self.verifier = Verifier(ModelRunner(target_model, self.device, num_slots, max_len, max_batch,
-                                             cuda_graphs, vocab_limit))
+                                             cuda_graphs, vocab_limit, **prefill))
         self.drafter = (Drafter(ModelRunner(draft_model, self.device, num_slots, max_len, max_batch, cuda_graphs,
-                                            vocab_limit), draft_temperature, draft_top_k)
+                                            vocab_limit, **prefill), draft_temperature, draft_top_k)
                         if draft_model is not None else None)
 
     def _fit_slots(self, requested, models, memory_fraction) -> int:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend, triton_op, write_kv
+from .attention import attend, attend_packed, triton_op, write_kv
 from .kv_cache import HEADROOM, KVCache
 
 ARCHITECTURES = {
@@ -268,8 +268,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, rope_cache, k_cache, v_cache, slots, positions):
-        # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]
+    def forward(self, x, rope_cache, k_cache, v_cache, slots, positions, packed: bool = False):
+        # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q].
+        # packed: N tokens of several requests back to back, slots [N] and positions [N, 1] per token
         B, T = positions.shape
         N, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -278,7 +279,10 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, D))
         q = rope_write_kv(q.reshape(N, self.num_heads, D), k.reshape(N, self.num_kv_heads, D),
                           v.reshape(N, self.num_kv_heads, D), rope_cache, k_cache, v_cache, slots, positions)
-        out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
+        if packed:
+            out = attend_packed(q, k_cache, v_cache, slots, positions[:, 0], self.scale)  # [N, Hq, D]
+        else:
+            out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -300,10 +304,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, rope_cache, k_cache, v_cache, slots, positions):
+    def forward(self, x, residual, rope_cache, k_cache, v_cache, slots, positions, packed: bool = False):
         # x: [N, H] this layer's input delta; residual: [N, H] the stream before it (None at layer 0)
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope_cache, k_cache, v_cache, slots, positions)
+        x = self.self_attn(x, rope_cache, k_cache, v_cache, slots, positions, packed)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -332,6 +336,20 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], slots, positions)
         x, _ = self.norm(x, residual)
         return x.view(B, T, -1)
+
+    def forward_packed(self, token_ids: torch.Tensor, cache: KVCache, token_slots: torch.Tensor,
+                       offsets: torch.Tensor) -> torch.Tensor:
+        """Several requests' tokens back to back, no padding: token_ids, token_slots, offsets [T] int64 ->
+        hidden [T, H]. Token t goes to position cache.lengths[token_slots[t]] + offsets[t] of its slot and sees
+        that slot's keys up to there, so a request may continue a slot that already holds tokens (a later
+        chunk of its prompt, a drafter catching up). Like `forward`, it writes K/V but never advances lengths."""
+        positions = (cache.lengths[token_slots] + offsets)[:, None]  # [T, 1]: one query per "row"
+        x, residual = self.embed_tokens(token_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], token_slots, positions,
+                                packed=True)
+        x, _ = self.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., H] -> [..., V] fp32

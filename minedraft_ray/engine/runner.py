@@ -4,17 +4,26 @@
 (batch bucket, q); rows padding a batch up to its bucket point at a scratch slot that no
 request owns, so the graph never needs to know how many rows are real.
 
-`prefill` of a few short prompts (what a server admits per step) replays a graph captured per
-(rows, padded length) too: run eagerly, such a forward is bound by the host launching ~10 kernels
-per layer, several times its device time. Larger prefills amortise that and stay eager.
+`prefill` and `extend` pack the prompts by default: every list's tokens back to back in one flat run
+with per-token slot and offset (positions continue each slot's cache length), no padding. The run is cut
+into launches of at most `max_prefill_tokens` tokens, wherever that falls, even mid-prompt: a later launch
+continues the slot at its new length, which is how a prompt is prefilled in chunks. A small launch (what a
+server admits per step) replays a graph captured per token-count bucket, padded by tokens on the scratch
+slot: run eagerly, such a forward is bound by the host launching ~10 kernels per layer, several times its
+device time. Larger launches amortise that and stay eager.
+
+The padded path (packed_prefill=False) pads each list to the longest and graphs per (rows, padded length);
+it stays for comparison.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .attention import triton_op
 from .kv_cache import KVCache
 from .model import Transformer
 
@@ -30,6 +39,62 @@ TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
 PREFILL_GRAPH_ROWS = (1, 2, 4)
 PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
+# Graphed packed launches: token counts, a launch padded up to the next one (at most 2x, and few tokens)
+PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    """Tokens [start, stop) of list `index` of an extend call, in one launch."""
+    index: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class PackedLaunch:
+    """One packed forward: pieces back to back, as host arrays of its T tokens and B pieces."""
+    pieces: tuple[PrefillPiece, ...]
+    token_ids: np.ndarray     # [T] int64
+    token_slots: np.ndarray   # [T] int64
+    offsets: np.ndarray       # [T] int64: position within this launch's piece of the slot
+    cu_seqlens: np.ndarray    # [B + 1] int64: piece b is tokens cu_seqlens[b]..cu_seqlens[b+1]-1
+    piece_slots: np.ndarray   # [B] int64
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def plan_pieces(lengths: list[int], max_tokens: int) -> list[list[PrefillPiece]]:
+    """Lists of `lengths` tokens laid back to back and cut into launches of at most max_tokens tokens each;
+    a cut may fall inside a list, whose rest then opens the next launch."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    launches, current, room = [], [], max_tokens
+    for index, length in enumerate(lengths):
+        start = 0
+        while start < length:
+            stop = start + min(room, length - start)
+            current.append(PrefillPiece(index, start, stop))
+            room -= stop - start
+            start = stop
+            if room == 0:
+                launches.append(current)
+                current, room = [], max_tokens
+    if current:
+        launches.append(current)
+    return launches
+
+
+def pack(pieces: list[PrefillPiece], slots: list[int], token_lists: list[list[int]]) -> PackedLaunch:
+    sizes = np.array([p.stop - p.start for p in pieces], dtype=np.int64)
+    cu = np.zeros(len(pieces) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=cu[1:])
+    piece_slots = np.array([slots[p.index] for p in pieces], dtype=np.int64)
+    token_ids = np.concatenate([np.asarray(token_lists[p.index][p.start:p.stop], dtype=np.int64) for p in pieces])
+    offsets = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], sizes)
+    return PackedLaunch(tuple(pieces), token_ids, np.repeat(piece_slots, sizes), offsets, cu, piece_slots)
 
 
 def to_device(values, device: torch.device, dtype=torch.int64) -> torch.Tensor:
@@ -64,7 +129,8 @@ def relayout_weights_(model: Transformer, names: tuple[str, ...]) -> None:
 
 class ModelRunner:
     def __init__(self, model: Transformer, device: torch.device | str, num_slots: int, max_len: int,
-                 max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None):
+                 max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None,
+                 packed_prefill: bool = True, max_prefill_tokens: int = PREFILL_TOKEN_BUDGET):
         self.model, self.device = model, torch.device(device)
         self.cfg = model.cfg
         if self.device.type == "cuda":
@@ -85,6 +151,13 @@ class ModelRunner:
                                if n <= rows and b <= max(max_batch, 1) and b * n <= PREFILL_GRAPH_TOKENS
                                ] if self.use_graphs else []
         self._prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.packed_prefill, self.max_prefill_tokens = packed_prefill, max_prefill_tokens
+        # graphs of packed launches need the Triton kernel: the torch reference syncs with the host
+        graphs_packed = self.use_graphs and triton_op("attention_packed_triton", "attend_packed_triton") is not None
+        self.packed_buckets = [n for n in PACKED_GRAPH_TOKENS if n <= max_prefill_tokens] if graphs_packed else []
+        self._packed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
     # ---- model calls -------------------------------------------------------------------------
@@ -131,8 +204,8 @@ class ModelRunner:
                 "lens": torch.ones(rows, dtype=torch.int64, device=self.device)}
         return self._graph(bufs, lambda: self._last_logits(bufs["input_ids"], bufs["slots"], bufs["lens"])), bufs
 
-    def _graph(self, bufs: dict, forward) -> torch.cuda.CUDAGraph:
-        """Capture forward() (after two warm-up runs) into bufs["logits"]. Every graph shares one memory
+    def _graph(self, bufs: dict, forward, output: str = "logits") -> torch.cuda.CUDAGraph:
+        """Capture forward() (after two warm-up runs) into bufs[output]. Every graph shares one memory
         pool: outputs are valid until the next replay of any graph, which callers respect."""
         # the scratch slot's length stays 0, so warm-up writes land in its first rows only
         stream = torch.cuda.Stream(self.device)
@@ -145,7 +218,7 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            bufs["logits"] = forward()
+            bufs[output] = forward()
         return graph
 
     @torch.inference_mode()
@@ -154,22 +227,83 @@ class ModelRunner:
         pool is sized once)."""
         if not self.use_graphs:
             return
-        for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
-            if shape not in self._prefill_graphs:
-                self._prefill_graphs[shape] = self._capture_prefill(*shape)
+        if self.packed_prefill:
+            for tokens in reversed(self.packed_buckets):
+                if tokens not in self._packed_graphs:
+                    self._packed_graphs[tokens] = self._capture_packed(tokens)
+        else:
+            for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
+                if shape not in self._prefill_graphs:
+                    self._prefill_graphs[shape] = self._capture_prefill(*shape)
         for q in qs:
             for bucket in reversed(self.buckets):
                 if (bucket, q) not in self._graphs:
                     self._graphs[(bucket, q)] = self._capture(bucket, q)
 
     @torch.inference_mode()
-    def extend(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
-        """Append variable-length token lists to slots (prefill, or a drafter catching up).
+    def extend(self, slots: list[int], token_lists: list[list[int]], packed: bool | None = None) -> torch.Tensor:
+        """Append variable-length token lists to slots that may already hold tokens (prefill, a later chunk
+        of a prompt, or a drafter catching up): list i continues slot slots[i] at its cache length.
 
-        Returns logits of each list's last token: [B, V] float32. Rows are padded to the longest
-        list; padding sits after the real tokens, so causal attention keeps it out of real rows,
-        and the lengths advance by the real counts only.
+        Returns logits of each list's last token: [B, V] float32. `packed` (default: the runner's
+        packed_prefill) picks the packed path or the padded one.
         """
+        if not token_lists or any(len(t) == 0 for t in token_lists) or len(slots) != len(token_lists):
+            raise ValueError("extend needs one non-empty token list per slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"extend got a slot twice: {slots}")
+        if self.packed_prefill if packed is None else packed:
+            return self._extend_packed(slots, token_lists)
+        return self._extend_padded(slots, token_lists)
+
+    # ---- packed path ---------------------------------------------------------------------------
+    def _extend_packed(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
+        out = torch.empty((len(slots), self.vocab), dtype=torch.float32, device=self.device)
+        for pieces in plan_pieces([len(t) for t in token_lists], self.max_prefill_tokens):
+            launch = pack(pieces, slots, token_lists)
+            hidden = self._packed_hidden(launch)  # [>= T, H]
+            # a list's logits come from the launch that holds its last token
+            ends = [(b, p.index) for b, p in enumerate(pieces) if p.stop == len(token_lists[p.index])]
+            if ends:
+                last = to_device([launch.cu_seqlens[b + 1] - 1 for b, _ in ends], self.device)
+                logits = self.model.compute_logits(hidden[last])[..., :self.vocab]
+                out.index_copy_(0, to_device([i for _, i in ends], self.device), logits)
+            self.cache.lengths.index_add_(0, to_device(launch.piece_slots, self.device),
+                                          to_device(np.diff(launch.cu_seqlens), self.device))
+        return out
+
+    def _packed_hidden(self, launch: PackedLaunch) -> torch.Tensor:
+        """Hidden states [>= T, H] of one launch: a graph's buffer when T fits a bucket (use it before the
+        next replay), else an eager forward of exactly T tokens."""
+        tokens = launch.num_tokens
+        host = np.stack([launch.token_ids, launch.token_slots, launch.offsets])  # [3, T]: one copy
+        bucket = next((n for n in self.packed_buckets if n >= tokens), None)
+        if bucket is None:
+            ids, token_slots, offsets = to_device(host, self.device)
+            return self.model.forward_packed(ids, self.cache, token_slots, offsets)
+        if bucket not in self._packed_graphs:
+            self._packed_graphs[bucket] = self._capture_packed(bucket)
+        graph, bufs = self._packed_graphs[bucket]
+        # the padding tokens sit at position 0 of the scratch slot (its length stays 0), seeing only themselves
+        padded = np.zeros((3, bucket), dtype=np.int64)
+        padded[1] = self.scratch_slot
+        padded[:, :tokens] = host
+        bufs["packed"].copy_(to_device(padded, self.device))
+        graph.replay()
+        return bufs["hidden"]
+
+    def _capture_packed(self, tokens: int):
+        packed = torch.zeros((3, tokens), dtype=torch.int64, device=self.device)
+        packed[1] = self.scratch_slot
+        bufs = {"packed": packed}
+        # the graph ends at the hidden states: the last tokens' logits depend on where the requests end
+        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2])  # noqa: E731
+        return self._graph(bufs, forward, output="hidden"), bufs
+
+    # ---- padded path ---------------------------------------------------------------------------
+    def _extend_padded(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
+        """Rows padded to the longest list; padding sits after the real tokens, so causal attention keeps
+        it out of real rows, and the lengths advance by the real counts only."""
         out = []
         start = 0
         while start < len(slots):
@@ -208,14 +342,16 @@ class ModelRunner:
         return self.model.compute_logits(last)[..., :self.vocab]
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Start fresh slots with their prompts: [B, V] logits of each prompt's last token (on CUDA a
-        graph's buffer when the prompts fit a captured shape: use it before the next step)."""
+    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None) -> torch.Tensor:
+        """Start fresh slots with their prompts: [B, V] logits of each prompt's last token (padded path on
+        CUDA: a graph's buffer when the prompts fit a captured shape: use it before the next step)."""
         self.set_lengths(slots, [0] * len(slots))
+        if self.packed_prefill if packed is None else packed:
+            return self.extend(slots, prompts, packed=True)
         longest = max(len(p) for p in prompts)
         fits = [(b, n) for b, n in self.prefill_shapes if b >= len(slots) and n >= longest]
         if not fits:
-            return self.extend(slots, prompts)
+            return self.extend(slots, prompts, packed=False)
         shape = min(fits, key=lambda s: (s[0] * s[1], s[0]))
         if shape not in self._prefill_graphs:
             self._prefill_graphs[shape] = self._capture_prefill(*shape)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
-import ray
+from ..ray_local import prepare_token_auth, start_local_ray
+
+prepare_token_auth()   # before Ray's import, which fixes its auth mode
+import ray  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
 from ..engine.engine import GenerationOutput
 from ..engine.sampling import SamplingParams
-from ..ray_local import start_local_ray
 from .manager import BatchManager, StepOutput
 from .placement import create_placement_group
 from .workers import WorkerSet
