@@ -106,3 +106,20 @@ def test_mailbox_drops_outputs_nobody_polls(ray_cluster, stale):
         ray.kill(mailbox)
 
     asyncio.run(scenario())
+
+
+def test_ingress_settings():
+    from ray.serve.config import AutoscalingConfig
+
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.serve.app import ingress_options
+
+    assert ingress_options(EngineConfig()) == {"num_replicas": 1}
+    assert ingress_options(EngineConfig(ingress_replicas=3)) == {"num_replicas": 3}
+    opts = ingress_options(EngineConfig(ingress_replicas=2, ingress_max_replicas=4))["autoscaling_config"]
+    assert opts["initial_replicas"] == 2 and opts["max_replicas"] == 4
+    AutoscalingConfig(**opts)   # Serve accepts it
+    with pytest.raises(ValueError, match="ingress_replicas"):
+        EngineConfig(ingress_replicas=5, ingress_max_replicas=4)
+    env = EngineConfig.from_env(environ={"MINEDRAFT_INGRESS_MAX_REPLICAS": "none", "MINEDRAFT_INGRESS_CPUS": "2"})
+    assert env.ingress_max_replicas is None and env.ingress_cpus == 2.0
