@@ -35,7 +35,7 @@ from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
-from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig, Status,
+from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
                         VerifyPlan)
 from .streams import StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
