@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     rows = pair_rows(read_rows(args.parent), read_rows(args.change))
     if not rows:
         raise SystemExit("no configuration was measured by both runs")
-    notes = [f"change_over_parent = tokens_per_s_change / tokens_per_s_parent; one run of each, interleaved "
-             f"(parent, change) per configuration in one call"]
+    notes = ["change_over_parent = tokens_per_s_change / tokens_per_s_parent; one run of each, interleaved "
+             "(parent, change) per configuration in one call"]
     write_results(rows, args.out, args.name, COLUMNS, args.title, command_line("bench.parity", argv),
                   rows[0]["device"] or "unknown", notes)
     print((args.out / f"{args.name}.md").read_text())

@@ -22,7 +22,7 @@ import logging
 
 import ray
 
-from .workers import LinkRound, LinkTokens, WorkerSet
+from .workers import DraftRound, LinkRound, LinkTokens, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -42,8 +42,9 @@ class DraftChannel:
     async def disconnect(self) -> None:
         pass
 
-    def submit(self, drafter, verifier, args: tuple):
-        """-> (what the verify names as its drafts, device-ms ref for the manager)."""
+    def submit(self, drafter, verifier, round_: DraftRound, sources: list):
+        """A draft round (sources: what its rows take tokens from) -> (what the verify names as its drafts,
+        device-ms ref for the manager)."""
         raise NotImplementedError
 
     def discard(self, verifier, drafts) -> None:
@@ -65,8 +66,8 @@ class DraftChannel:
 class ObjectStoreChannel(DraftChannel):
     name = "object_store"
 
-    def submit(self, drafter, verifier, args):
-        return drafter.draft.options(num_returns=2).remote(*args)
+    def submit(self, drafter, verifier, round_, sources):
+        return drafter.draft.options(num_returns=2).remote(round_, *sources)
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         # a task whose argument failed never ran: submit it again (under its own number, its turn is still open)
@@ -85,10 +86,10 @@ class CollectiveChannel(DraftChannel):
         host, port = await verifier.open_link.remote(self.generation)
         await drafter.join_link.remote(self.generation, host, port)
 
-    def submit(self, drafter, verifier, args):
-        rows, k = args[1], args[2]
-        key, self._next_key = LinkRound(self._next_key, len(rows), k, self.generation), self._next_key + 1
-        return key, drafter.draft_over.remote(key, *args)
+    def submit(self, drafter, verifier, round_, sources):
+        key = LinkRound(self._next_key, len(round_.rows), round_.k, self.generation)
+        self._next_key += 1
+        return key, drafter.draft_over.remote(key, round_, *sources)
 
     def discard(self, verifier, drafts) -> None:
         verifier.drain_drafts.remote(drafts)
