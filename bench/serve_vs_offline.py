@@ -205,6 +205,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def app_name(settings: dict) -> str:
+    """One app name per configuration: a configuration's app never shares a name with the one deleted before it."""
+    return f"{APP}-{settings['mode']}-{settings['max_batch']}"
+
+
 def deploy(settings: dict) -> str:
     """The Serve app for `settings` on 127.0.0.1; -> its base URL."""
     from ray import serve
@@ -213,7 +218,7 @@ def deploy(settings: dict) -> str:
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http = serve.context._get_global_client().http_config   # the first start in this Ray wins: ask
-    serve.run(build_app_with_key(settings, None), name=APP, route_prefix="/")
+    serve.run(build_app_with_key(settings, None), name=app_name(settings), route_prefix="/")
     return f"http://{http.host}:{http.port}"
 
 
@@ -248,7 +253,7 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
                             "engine_step_ms": engine_step_ms(url)})
         return results
     finally:
-        serve.delete(APP)
+        serve.delete(app_name(settings))
 
 
 # ---- results ------------------------------------------------------------------------------------------
