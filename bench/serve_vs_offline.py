@@ -6,7 +6,8 @@
     python -m bench.serve_vs_offline --mode ar,sd --max-batch 64,256 --n-requests 256,1024   # all four, ~16 min
     python -m bench.serve_vs_offline --smoke                                               # CPU, default pair
 
-On a GPU the results go to <out>/serve_vs_offline.*, on a CPU to <out>/serve_vs_offline_cpu.*.
+On a GPU the results go to <out>/serve_vs_offline.*, on a CPU to <out>/serve_vs_offline_cpu.*. Files of separate
+runs merge with `python -m bench.serve_vs_offline --merge RUN.parquet [...] --out bench/results`.
 
 Per configuration (mode x max_batch): the engine is built as `LLM` (in this process's Ray, its manager in an
 actor) and run on all prompts in one `generate` call; it is shut down and the same configuration is deployed as
@@ -325,7 +326,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default=None, help="names this run's rows (e.g. the design measured); part of a "
                     "row's configuration, so runs with different labels keep their rows side by side")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="PARQUET",
+                    help="no run: merge these result files (e.g. device calls') into <out>/serve_vs_offline.parquet "
+                    "by configuration, then write its md and png again")
     args = ap.parse_args(argv)
+    if args.merge:
+        out = Path(args.out)
+        rows = read_rows(out / f"{NAME}.parquet")
+        for path in args.merge:
+            rows = merge(rows, read_rows(Path(path)))
+        write(out, rows, rows[-1]["device"])
+        print(f"{out / NAME}.parquet: {len(rows)} rows")
+        return 0
     from bench.common import command_line
 
     command = command_line("bench.serve_vs_offline", argv)
