@@ -37,7 +37,7 @@ from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
 from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
                         VerifyPlan)
-from .streams import StepOutput, _merged, coalesced
+from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
 from .workers import DraftRound, RoundRow, SamplingRow, WorkerSet
@@ -118,7 +118,7 @@ class BatchManager:
         self.channel = make_channel(config.transport)
         self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group)
         self.requests: dict[str, RequestState] = {}
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, OutputSink] = {}   # request id -> where its outputs go
         self.inflight: deque[InFlight] = deque()       # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
         # per batch: (end of its latest verify, step, regime, prefills done by then)
@@ -201,18 +201,8 @@ class BatchManager:
         generation passes False, since it submits its whole workload at once by design.
         interval_s: least time between two outputs (default: config.stream_interval_ms; streams.py); in-process
         callers pass 0."""
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        waiting = len(self.sched.waiting)
-        capacity = self.config.max_queued + max(self.config.max_running - self.sched.num_running(), 0)
-        if bounded and waiting >= capacity:
-            raise EngineOverloadedError(f"the engine queue is full ({waiting} waiting)")
-        state = RequestState(self.make_request(prompt_ids, params, request_id))
         queue = asyncio.Queue()
-        self.requests[state.id] = state
-        self.streams[state.id] = queue
-        self.sched.arrive(state)
-        self._wake.set()
+        state = self._register(prompt_ids, params, request_id, queue, bounded)
         interval = self.config.stream_interval_ms / 1e3 if interval_s is None else interval_s
         try:
             async for out in coalesced(queue, interval):
@@ -222,6 +212,29 @@ class BatchManager:
         finally:
             if not state.request.finished:
                 await self.abort(state.id)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink: OutputSink,
+               bounded: bool = True) -> None:
+        """Queue a request whose outputs go to `sink.put_nowait` as the steps produce them (not coalesced; the
+        last one is finished, with the error if the engine failed). Refusals raise here. For callers that batch
+        the outputs of many requests themselves (the Serve engine replica): no task per request wakes per step.
+        A caller that stops listening aborts the request."""
+        self._register(prompt_ids, params, request_id, sink, bounded)
+
+    def _register(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink: OutputSink,
+                  bounded: bool) -> RequestState:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        waiting = len(self.sched.waiting)
+        capacity = self.config.max_queued + max(self.config.max_running - self.sched.num_running(), 0)
+        if bounded and waiting >= capacity:
+            raise EngineOverloadedError(f"the engine queue is full ({waiting} waiting)")
+        state = RequestState(self.make_request(prompt_ids, params, request_id))
+        self.requests[state.id] = state
+        self.streams[state.id] = sink
+        self.sched.arrive(state)
+        self._wake.set()
+        return state
 
     async def abort(self, request_id: str) -> None:
         state = self.requests.get(request_id)

@@ -9,6 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class OutputSink(Protocol):
+    """Where the manager puts a request's outputs as they are committed: an asyncio.Queue (`coalesced` reads it),
+    or a caller's own sink (BatchManager.submit)."""
+
+    def put_nowait(self, out: StepOutput) -> None: ...
 
 
 @dataclass

@@ -36,7 +36,6 @@ import logging
 import os
 import time
 import weakref
-from contextlib import suppress
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -58,7 +57,7 @@ from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, eng
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
-from .streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
+from .streams import Accepted, OutputBatcher, RequestSink, StreamRouter, merge_outputs, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -93,34 +92,16 @@ class EngineServer:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
         """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer
         200 and start streaming), or the error that refused it; its outputs go to `subscriber` (the ingress replica)
-        through the mailbox. The stream stays open while the request runs: cancelling it aborts the request."""
-        stream = self.manager.generate(prompt_ids, params, request_id, interval_s=0.0)   # batched here instead
-        # generate() checks the queue and registers the request in its first step, before any await:
-        # one pass of the loop runs it, so refusals (overload, dead engine, bad request) raise right here
-        first = asyncio.ensure_future(anext(stream))
-        accepted = False
+        through the mailbox, an engine failure as its last output's error. The stream stays open while the request
+        runs: cancelling it (a disconnect, a stop string) aborts the request."""
+        sink = RequestSink(self.outputs, subscriber)
+        self.manager.submit(prompt_ids, params, request_id, sink)   # overload, dead engine, bad request: raise here
         try:
-            await asyncio.sleep(0)
-            if first.done() and first.exception() is not None:
-                raise first.exception()
-            accepted = True
             yield Accepted(self.outputs.mailbox, self.mailbox_key)
-            out = await first
-            self.outputs.put(subscriber, out, urgent=True)
-            while not out.finished:
-                out = await anext(stream)
-                self.outputs.put(subscriber, out)
-        except Exception as e:
-            if not accepted:
-                raise   # refused: the error is the stream's first item
-            # accepted, then the engine failed: in band (the ingress reads only the mailbox now), to fail the request
-            self.outputs.put(subscriber, StepOutput(request_id, [], None, True, "abort", None,
-                                                    str(e) if isinstance(e, EngineDeadError) else repr(e)))
-        finally:  # cancelled by a disconnect or a stop string: closing the stream aborts the request
-            first.cancel()
-            with suppress(BaseException):
-                await first
-            await stream.aclose()
+            await sink.done.wait()
+        finally:
+            if not sink.done.is_set():
+                await self.manager.abort(request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request this replica holds; False when it does not know it (another replica has it, or it

@@ -5,9 +5,10 @@ A per-request Serve stream costs CPU at each end per item (the engine replica's 
 the process whose event loop drives the step loop; the ingress deserialises, routes and wakes a task per item), so
 at a few hundred streams the items, not the engine, set the pace. Here a request's Serve call
 (`EngineServer.generate`) carries only its admission (`Accepted`) and stays open as the request's handle
-(cancelling it aborts the request on the replica that holds it); its outputs go to the replica's `OutputBatcher`,
-which merges each request's outputs and sends everything pending to the replica's `Mailbox` actor in one call per
-`stream_interval_ms` (a request's first output and its last go at once). Each ingress replica long-polls the
+(cancelling it aborts the request on the replica that holds it); the manager puts its outputs into a `RequestSink`,
+straight into the replica's `OutputBatcher`, which merges each request's outputs and sends everything pending to
+the replica's `Mailbox` actor in one call per `stream_interval_ms` (a request's first output and its last go at
+once). Each ingress replica long-polls the
 mailboxes of the engine replicas it has requests on (`StreamRouter`) and hands the outputs to their requests'
 queues. The mailbox is owned by the engine replica's process, so it dies with it and the pollers see the failure.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..runtime.manager import StepOutput
+from ..runtime.streams import StepOutput
 
 log = logging.getLogger("minedraft.serve")
 
@@ -138,6 +139,22 @@ class OutputBatcher:
         self.last_flush = asyncio.get_running_loop().time()
         self.mailbox.put.remote(self.seq, batch)
         self.seq += 1
+
+
+class RequestSink:
+    """Engine side, one request: the manager puts its outputs here as the steps commit them (BatchManager.submit);
+    they go straight to the replica's batcher, the first and the last flushed at once. `done` is set by the last."""
+
+    def __init__(self, batcher: OutputBatcher, subscriber: str):
+        self.batcher, self.subscriber = batcher, subscriber
+        self.done = asyncio.Event()
+        self.first = True
+
+    def put_nowait(self, out: StepOutput) -> None:
+        self.batcher.put(self.subscriber, out, urgent=self.first)
+        self.first = False
+        if out.finished:
+            self.done.set()
 
 
 class StreamRouter:
