@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NO_SLOT = 2147483647  # larger than any slot id: rows already done never win the min
+NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done never win the min
 
 
 @triton.jit
