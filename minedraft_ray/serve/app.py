@@ -36,6 +36,7 @@ import time
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -65,12 +66,19 @@ ENGINE_ACCEPT_TIMEOUT_S = 5.0   # longest wait for an engine replica to take a r
 KEEP_ALIVE_TIMEOUT_S = 5   # idle keep-alive connections close after this (uvicorn's timer, Serve's option)
 CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
+SHUTDOWN_RELAY_S = 5.0   # the ingress's grace period beyond the engines': time to end the cut streams cleanly
 STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
                          # must not take the slots /health and ordinary requests need
 
 
 # ---------------------------------------------------------------- engine deployment
+
+@dataclass(frozen=True)
+class Refusal:
+    """The engine's answer to a request it does not take: its queue is full, or it is dead."""
+    reason: Literal["queue_full", "engine_dead"]
+
 
 @serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
 class EngineServer:
@@ -81,7 +89,8 @@ class EngineServer:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
         """StepOutputs of one request. The first item comes at once: an empty StepOutput once the request is
-        queued (so the ingress can answer 200 and start streaming), or the error that refused it."""
+        queued (so the ingress can answer 200 and start streaming), a Refusal (queue full, engine dead), or
+        the error of a bad request."""
         stream = self.manager.generate(prompt_ids, params, request_id)
         # generate() checks the queue and registers the request in its first step, before any await:
         # one pass of the loop runs it, so refusals (overload, dead engine, bad request) raise right here
@@ -90,7 +99,12 @@ class EngineServer:
             await asyncio.sleep(0)
             if not first.done():
                 yield StepOutput(request_id, [])
-            out = await first
+            try:
+                out = await first
+            except (EngineOverloadedError, EngineDeadError) as e:
+                # expected: answered as a value, so Serve logs no failed call with its traceback
+                yield Refusal("queue_full" if isinstance(e, EngineOverloadedError) else "engine_dead")
+                return
             yield out
             if not out.finished:
                 async for out in stream:
@@ -150,6 +164,11 @@ def internal_error() -> APIError:
     return APIError(500, "Internal server error.", "server_error", code="internal_error")
 
 
+def queue_full() -> APIError:
+    return APIError(429, "The server is overloaded: the request queue is full. Retry later.", "rate_limit_error",
+                    code="queue_full")
+
+
 def engine_unavailable() -> APIError:
     return APIError(503, "The engine is unavailable (restarting after a failure). Retry later.", "server_error",
                     code="engine_dead")
@@ -158,9 +177,10 @@ def engine_unavailable() -> APIError:
 def engine_error(exc: BaseException) -> APIError | None:
     """An exception from the engine deployment as the API error it stands for (None: not ours). Messages
     are fixed texts: an exception's own text may carry Ray tracebacks, addresses and pids."""
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, (EngineOverloadedError, BackPressureError)):
-        return APIError(429, "The server is overloaded: the request queue is full. Retry later.",
-                        "rate_limit_error", code="queue_full")
+        return queue_full()
     if isinstance(exc, EngineDeadError):
         return engine_unavailable()
     if isinstance(exc, (RayActorError, ActorUnavailableError)):   # the engine replica itself died
@@ -208,8 +228,12 @@ class Choice:
         self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id)
 
     async def accepted(self) -> None:
-        """The engine's first answer: an empty StepOutput once queued, or the error that refused the request."""
-        await self._apply_off_loop(await self.stream.__anext__())
+        """The engine's first answer: an empty StepOutput once queued, or the refusal as an APIError."""
+        first = await self.stream.__anext__()
+        if isinstance(first, Refusal):
+            self.done = True
+            raise queue_full() if first.reason == "queue_full" else engine_unavailable()
+        await self._apply_off_loop(first)
 
     async def _apply_off_loop(self, out: StepOutput) -> None:
         """Detokenizing runs on the pool: the event loop keeps serving the other clients meanwhile."""
@@ -701,6 +725,8 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
+    # the ingress outlives the engines' grace period: streams still running when the engines stop end with a
+    # finish_reason and an error event it sends, not cut off
     return OpenAIServer.options(ray_actor_options={"num_cpus": 0.1}, **ingress_limits(config, replicas),
-                                graceful_shutdown_timeout_s=config.graceful_shutdown_s).bind(
+                                graceful_shutdown_timeout_s=config.graceful_shutdown_s + SHUTDOWN_RELAY_S).bind(
         engine, config.model_dump(), key_hash)
