@@ -361,6 +361,13 @@ class OpenAIServer:
         # on the shared one
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self.encoder = None if backend is None else type(backend).from_str(backend.to_str())
+        # each token stands for at most this many characters of text (its vocabulary string: bytes for
+        # byte-level vocabularies, characters otherwise, both >= the characters it covers), so a prompt of
+        # more characters than `limit` tokens can cover is refused without encoding it; only without a
+        # normalizer, which could shrink the text
+        self.chars_per_token = None
+        if self.encoder is not None and self.encoder.normalizer is None:
+            self.chars_per_token = max(map(len, self.encoder.get_vocab(with_added_tokens=True)))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="minedraft-tokens")
         self.limits = IngressLimits.from_config(self.config)
         self.strings = TokenStrings(self.tokenizer)
@@ -613,6 +620,9 @@ class OpenAIServer:
     def _encode(self, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:
         """Token ids of a prompt text (on the pool). A prompt at or over the context limit is refused from
         its token count, before a list of its ids exists."""
+        if self.chars_per_token and len(text) >= limit * self.chars_per_token:
+            raise APIError(400, f"The prompt has at least {len(text) // self.chars_per_token} tokens; the context "
+                           f"limit is {limit} tokens (prompt + output).", param=param, code="context_length_exceeded")
         if self.encoder is None:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
             count = len(ids)
