@@ -86,10 +86,3 @@ def start_local_ray(**init_kwargs):
                     AUTH_MODE_ENV)
     init_kwargs.setdefault("include_dashboard", False)
     return ray.init(address="local", **init_kwargs)
-
-
-def token_auth_on() -> bool:
-    """Whether this process talks to Ray with token authentication."""
-    from ray._raylet import AuthenticationMode, get_authentication_mode
-
-    return get_authentication_mode() == AuthenticationMode.TOKEN

@@ -17,7 +17,7 @@ import pytest
 from minedraft_ray.ray_local import lock_down
 from minedraft_ray.serve.guard import IngressLimits, guard_environ
 
-TEST_LIMITS = IngressLimits(max_body_bytes=1024 * 1024, body_timeout_s=2.0, header_timeout_s=2.0)
+TEST_LIMITS = IngressLimits(max_body_bytes=16 * 1024 * 1024, body_timeout_s=2.0, header_timeout_s=2.0)
 
 lock_down()
 

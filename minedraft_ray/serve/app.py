@@ -37,6 +37,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -72,12 +73,19 @@ KEEP_ALIVE_TIMEOUT_S = 5   # idle keep-alive connections close after this (uvico
 CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generation streams
 INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling adds one
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
+SHUTDOWN_RELAY_S = 5.0   # the ingress's grace period beyond the engines': time to end the cut streams cleanly
 STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
                          # must not take the slots /health and ordinary requests need
 
 
 # ---------------------------------------------------------------- engine deployment
+
+@dataclass(frozen=True)
+class Refusal:
+    """The engine's answer to a request it does not take: its queue is full, or it is dead."""
+    reason: Literal["queue_full", "engine_dead"]
+
 
 @serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
 class EngineServer:
@@ -91,11 +99,16 @@ class EngineServer:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
         """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer
-        200 and start streaming), or the error that refused it; its outputs go to `subscriber` (the ingress replica)
-        through the mailbox, an engine failure as its last output's error. The stream stays open while the request
-        runs: cancelling it (a disconnect, a stop string) aborts the request."""
+        200 and start streaming), a Refusal (queue full, engine dead), or the error of a bad request; its outputs go
+        to `subscriber` (the ingress replica) through the mailbox, an engine failure as its last output's error. The
+        stream stays open while the request runs: cancelling it (a disconnect, a stop string) aborts the request."""
         sink = RequestSink(self.outputs, subscriber)
-        self.manager.submit(prompt_ids, params, request_id, sink)   # overload, dead engine, bad request: raise here
+        try:
+            self.manager.submit(prompt_ids, params, request_id, sink)   # overload, dead engine, bad request: raise
+        except (EngineOverloadedError, EngineDeadError) as e:
+            # expected: answered as a value, so Serve logs no failed call with its traceback
+            yield Refusal("queue_full" if isinstance(e, EngineOverloadedError) else "engine_dead")
+            return
         try:
             yield Accepted(self.outputs.mailbox, self.mailbox_key)
             await sink.done.wait()
@@ -153,6 +166,11 @@ def internal_error() -> APIError:
     return APIError(500, "Internal server error.", "server_error", code="internal_error")
 
 
+def queue_full() -> APIError:
+    return APIError(429, "The server is overloaded: the request queue is full. Retry later.", "rate_limit_error",
+                    code="queue_full")
+
+
 def engine_unavailable() -> APIError:
     return APIError(503, "The engine is unavailable (restarting after a failure). Retry later.", "server_error",
                     code="engine_dead")
@@ -161,9 +179,10 @@ def engine_unavailable() -> APIError:
 def engine_error(exc: BaseException) -> APIError | None:
     """An exception from the engine deployment as the API error it stands for (None: not ours). Messages
     are fixed texts: an exception's own text may carry Ray tracebacks, addresses and pids."""
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, (EngineOverloadedError, BackPressureError)):
-        return APIError(429, "The server is overloaded: the request queue is full. Retry later.",
-                        "rate_limit_error", code="queue_full")
+        return queue_full()
     if isinstance(exc, EngineDeadError):
         return engine_unavailable()
     if isinstance(exc, (RayActorError, ActorUnavailableError)):   # the engine replica itself died
@@ -219,8 +238,12 @@ class Choice:
                                                                        self.router.subscriber)
 
     async def accepted(self) -> None:
-        """The engine's first answer: Accepted once queued, or the error that refused the request."""
-        self.router.watch(self.request_id, await self.stream.__anext__())
+        """The engine's first answer: Accepted once queued, or the refusal as an APIError."""
+        first = await self.stream.__anext__()
+        if isinstance(first, Refusal):
+            self.done = True
+            raise queue_full() if first.reason == "queue_full" else engine_unavailable()
+        self.router.watch(self.request_id, first)
 
     async def _next_output(self) -> StepOutput:
         """The next output, merged with any that queued up behind it (one event for what came in one batch)."""
@@ -382,6 +405,13 @@ class OpenAIServer:
         # on the shared one
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self.encoder = None if backend is None else type(backend).from_str(backend.to_str())
+        # each token stands for at most this many characters of text (its vocabulary string: bytes for
+        # byte-level vocabularies, characters otherwise, both >= the characters it covers), so a prompt of
+        # more characters than `limit` tokens can cover is refused without encoding it; only without a
+        # normalizer, which could shrink the text
+        self.chars_per_token = None
+        if self.encoder is not None and self.encoder.normalizer is None:
+            self.chars_per_token = max(map(len, self.encoder.get_vocab(with_added_tokens=True)))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="minedraft-tokens")
         self.limits = IngressLimits.from_config(self.config)
         self.strings = TokenStrings(self.tokenizer)
@@ -656,6 +686,9 @@ class OpenAIServer:
     def _encode(self, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:
         """Token ids of a prompt text (on the pool). A prompt at or over the context limit is refused from
         its token count, before a list of its ids exists."""
+        if self.chars_per_token and len(text) >= limit * self.chars_per_token:
+            raise APIError(400, f"The prompt has at least {len(text) // self.chars_per_token} tokens; the context "
+                           f"limit is {limit} tokens (prompt + output).", param=param, code="context_length_exceeded")
         if self.encoder is None:
             ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
             count = len(ids)
@@ -796,7 +829,9 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     ).bind(config.model_dump())
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
+    # the ingress outlives the engines' grace period: streams still running when the engines stop end with a
+    # finish_reason and an error event it sends, not cut off
     return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
                                 **ingress_limits(config, replicas), **ingress_options(config),
-                                graceful_shutdown_timeout_s=config.graceful_shutdown_s).bind(
+                                graceful_shutdown_timeout_s=config.graceful_shutdown_s + SHUTDOWN_RELAY_S).bind(
         engine, config.model_dump(), key_hash)
