@@ -274,9 +274,15 @@ def build(spec: Spec, target: str, draft: str, work: Workload, engine: dict) -> 
         return list(pool.map(one, range(spec.replicas)))
 
 
+def synthetic(spec: Spec) -> bool:
+    return spec.acceptance == "synthetic" and spec.mode != "ar"
+
+
 def bench_hook(spec: Spec) -> dict:
-    """Synthetic acceptance: the verifier accepts each draft with probability alpha (runtime's _bench hook)."""
-    return {"_bench": {"synthetic_acceptance": spec.alpha}} if spec.acceptance == "synthetic" and spec.mode != "ar" else {}
+    """Synthetic acceptance: the benchmark-only verifier workers accept each draft with probability alpha."""
+    from minedraft_ray.testing.workers import synthetic_acceptance
+
+    return {"_workers": synthetic_acceptance(spec.alpha)} if synthetic(spec) else {}
 
 
 def warm_up(llms: list, spec: Spec, prompts: Prompts, work: Workload) -> None:
@@ -303,10 +309,9 @@ def make_row(spec: Spec, m: int, workload: str, metrics: dict, work: Workload, m
     metrics = dict(metrics)
     steady = steady_stats(metrics.pop("_histories"), spec.mode)
     tokps = metrics.get("tokens_per_s")
-    synthetic = spec.acceptance == "synthetic" and spec.mode != "ar"
     return {**context, "mode": spec.label, "workload": workload, "m": m, "k": spec.k, "batch": spec.batch,
             "replicas": spec.replicas, "in_flight": spec.in_flight, "n_gpus": spec.n_gpus,
-            "alpha": None if spec.mode == "ar" else spec.alpha if synthetic else metrics.get("acceptance_rate"),
+            "alpha": None if spec.mode == "ar" else spec.alpha if synthetic(spec) else metrics.get("acceptance_rate"),
             "alpha_group": spec.alpha if spec.acceptance == "synthetic" else None,
             "acceptance": None if spec.mode == "ar" else spec.acceptance, "status": "ok",
             "tokens_per_s_per_gpu": tokps / spec.n_gpus if tokps else None, "max_tokens": work.max_tokens,
@@ -489,7 +494,10 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 if llms and hasattr(llms[0], "reconfigure"):  # same actors, models and graphs: a new k and alpha
                     for llm in llms:
-                        llm.reconfigure(k=max(k, 1), **bench_hook(spec))
+                        llm.reconfigure(k=max(k, 1))
+                        if synthetic(spec):
+                            from minedraft_ray.testing.workers import set_synthetic_acceptance
+                            set_synthetic_acceptance(llm, spec.alpha)
                 else:
                     shutdown(llms)
                     llms = build(spec, target, draft, work, engine)

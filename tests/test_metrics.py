@@ -232,3 +232,23 @@ def test_every_dashboard_query_has_live_series(prom, served):
         while not prom.query(promql) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert prom.query(promql), f"no data for dashboard query: {expr}"
+
+
+def test_batch_imbalance_is_the_splits_and_zero_in_one_sequential_batch(ray_cluster):
+    """ray_minedraft_batch_imbalance: | |A| - |B| | after a step of the split; a sequential batch holds every
+    running request in one batch, which is no imbalance."""
+    from minedraft_ray.observability.metrics import EngineMetrics
+    from minedraft_ray.runtime.manager import StepRecord
+
+    metrics = EngineMetrics("m", "psd", replica="test", refresh_s=0)
+
+    def imbalance(regime, sizes, one_batch):
+        metrics.on_step(StepRecord(regime, sizes, verified=sum(sizes), drafted=0, step_ms=1.0,
+                                   extra={"one_batch": one_batch}))
+        return metrics._gauge_values[(id(metrics.imbalance), None)][2]
+
+    assert imbalance("psd", (3, 2), False) == 1
+    assert imbalance("seq", (5, 0), True) == 0
+    assert imbalance("psd", (5, 0), True) == 0    # the step was split, and everyone is in one batch since
+    assert imbalance("psd", (2, 4), False) == 2   # a violation shows
+    metrics.close()

@@ -11,6 +11,7 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM, make_bundles
+from minedraft_ray.testing.workers import faulty_drafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
            "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "hello world, this is a longer "
@@ -130,14 +131,14 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         settled(llm)   # sd and ar keep a step queued behind the last one: let it run before counting
-        numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager._seq))
+        numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.sched.tasks_numbered))
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
         launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
         assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
         if mode == "psd":
             check_balance(llm.history(), max_batch=3)
             # the drafter follows the verifier's overlap: threaded too, its tasks launched once each, in order
-            drafter_numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager._drafter_seq))
+            drafter_numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.drafter_seq))
             drafter = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.drafter))
             drafter_launched = ray.get(drafter.__ray_call__.remote(lambda self: self.order.next_seq))
             assert drafter_launched == drafter_numbered > len(PROMPTS) // 3, (drafter_launched, drafter_numbered)
@@ -286,7 +287,13 @@ def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(ray_clu
         history = llm.history()
         assert {h.regime for h in history} == {"seq"}
         assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
-        assert llm.info()["high_load_regime"]["saturated"] is False
+        info = llm.info()
+        assert info["high_load_regime"]["saturated"] is False
+        # info says what ran: every step was sequential, at low load and at high load
+        for load in ("low", "high"):
+            regime = info[f"{load}_load_regime"]
+            assert regime["current"] == regime["last_step"] == "seq", regime
+            assert set(regime["steps"]) == {"seq"}, regime
     finally:
         llm.shutdown()
 
@@ -320,7 +327,7 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
     # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
     # verify submitted already
     llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
-              transport=transport, _bench={"draft_delay_s": 0.2})
+              transport=transport, _workers=faulty_drafter(delay_s=0.2))
     try:
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
@@ -347,8 +354,8 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
 
 
 @pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
-    ("draft_error_at", "collective", 60, 45), ("draft_hang_at", "object_store", 5, 10),
-    ("draft_hang_at", "collective", 5, 10)])
+    ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10),
+    ("hang_at", "collective", 5, 10)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         ray_cluster, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify
@@ -357,7 +364,7 @@ def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
     verify runs without drafts instead of waiting out the link's own timeout, or the hour the round hangs. The
     output is still ar's, and nothing waits longer than about one timeout."""
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport=transport,
-              step_timeout_s=timeout_s, _bench={fault: 4})
+              step_timeout_s=timeout_s, _workers=faulty_drafter(**{fault: 4}))
     try:
         t0 = time.time()
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
@@ -546,15 +553,15 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import SpecWorker
+    from minedraft_ray.runtime.workers import SamplingRow, SpecWorker
 
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
-    slots, greedy_rows = [2, 0, 3], [(0.0, 1.0, 0, s) for s in range(3)]
-    first, _, _ = state_worker.prefill(0, slots, prompts, greedy_rows, 0)
-    assert host_worker.prefill(0, slots, prompts, greedy_rows, 0)[0] == first
+    slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
+    first = state_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens
+    assert host_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens == first
     sequences = [p + f for p, f in zip(prompts, first)]
     for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
@@ -569,7 +576,7 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
             assert torch.allclose(q_state, q_host, atol=1e-6)
         else:
             assert q_state is None and q_host is None
-        tokens, *_ = state_worker.step(seq, slots, 3, 0)
+        tokens = state_worker.step(seq, slots, 3, 0).tokens
         sequences = [seq + t for seq, t in zip(sequences, tokens)]
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]
@@ -584,7 +591,7 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     drafts were partly accepted, wholly accepted or all rejected."""
     import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DrafterWorker
+    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, RoundRow, VerifierResult
 
     k = 3
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
@@ -592,14 +599,14 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
     ahead.prefill(0, slots, prompts)
-    prefill_result = ([[31], [32], [33]], None, 0.0)            # (tokens, logprobs, ms): the first token
-    verify_result = ([[41], [42], [43]], None, 0.0, 0.0, 0.0)   # a first verify without drafts: one token
+    prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
+    verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
 
     def compare(rows, positions, *sources):
-        ids, _ = ahead.draft(1, rows, k, seeds, positions, *sources)
-        full = [(slot, 0, seq, (), False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
-        ref, _ = scratch.draft(0, full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)])
+        ids, _ = ahead.draft(DraftRound(1, rows, k, seeds, positions), *sources)
+        full = [RoundRow(slot, 0, seq) for slot, seq in zip(slots, sequences)]   # catch up from scratch
+        ref, _ = scratch.draft(DraftRound(0, full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)]))
         assert ids["ids"] == ref["ids"]
         if draft_temperature:   # q travels packed: the drafter's top 64 (prob, id) pairs of the 512-token vocabulary
             assert ids["probs"].shape == (3, k, 2 * 64) and np.allclose(ids["probs"], ref["probs"], atol=1e-6)
@@ -608,14 +615,16 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
         return ids["ids"]
 
     # new rows: committed = the prompt (the drafter holds it), tokens from the prefill, then the first verify
-    rows = [(slot, max(0, len(p) - 2), p[-2:], [(0, i), (1, i)], True) for i, (slot, p) in enumerate(zip(slots, prompts))]
+    rows = [RoundRow(slot, max(0, len(p) - 2), p[-2:], [(0, i), (1, i)], True)
+            for i, (slot, p) in enumerate(zip(slots, prompts))]
     drafts = compare(rows, [0, 0, 0], prefill_result, verify_result)
     for accepted in ([1, 3, 0], [0, 2, 3]):   # part, all, none of the drafts accepted (then one new token)
         committed = sequences
         emitted = [d[:a] + [50 + a] for d, a in zip(drafts, accepted)]
         sequences = [s + e for s, e in zip(committed, emitted)]
-        rows = [(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
-        drafts = compare(rows, [len(c) - len(p) for c, p in zip(committed, prompts)], (emitted, None, 0.0, 0.0, 0.0))
+        rows = [RoundRow(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
+        drafts = compare(rows, [len(c) - len(p) for c, p in zip(committed, prompts)],
+                         VerifierResult(emitted, None, 0.0))
 
 
 def test_step_timer_on_cpu_times_its_block_not_the_read():

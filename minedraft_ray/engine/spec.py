@@ -16,9 +16,7 @@ import torch
 
 from .rejection import draft_sample_packed, rejection_sample, unpack_draft_probs
 from .runner import ModelRunner, to_host_async
-from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, noise_uniform, sample
-
-PURPOSE_SYNTHETIC = 17  # noise stream of the benchmark-only synthetic acceptance
+from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, sample
 
 
 @dataclass
@@ -127,12 +125,8 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner, synthetic_acceptance: float | None = None):
-        """synthetic_acceptance: benchmarks only (never reachable from serving). Random-weight
-        models accept nothing, so the accepted count is overridden by seeded draws keyed by
-        (request seed, output position): the same draws in every mode."""
+    def __init__(self, runner: ModelRunner):
         self.runner, self.device = runner, runner.device
-        self.synthetic_acceptance = synthetic_acceptance
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]], batch: SamplingBatch,
@@ -159,21 +153,12 @@ class Verifier:
         logits = self.runner.step(slots, ids)                            # [B, k+1, V]
         if draft_probs is not None:
             draft_probs = unpack_draft_probs(draft_probs, logits.shape[-1])   # [B, k, V]
-        tokens, num_emitted = rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)
-        if self.synthetic_acceptance is not None and k > 0:
-            tokens, num_emitted = self._synthetic(logits, draft_ids, num_drafts, batch, positions)
+        tokens, num_emitted = self.accept(logits, draft_ids, num_drafts, batch, positions, draft_probs)
         self.runner.rollback(slots, (k + 1) - num_emitted)
         lp = logprobs_topk(logits, batch, tokens.clamp(min=0), num_logprobs) if num_logprobs else None
         return VerifyResult(tokens, num_emitted, lp)
 
-    def _synthetic(self, logits, draft_ids, num_drafts, batch, positions):
-        """Accept draft j while u(seed, position + j) < alpha; then one target (argmax) token."""
-        k = draft_ids.shape[1]
-        j = torch.arange(k + 1, device=self.device)                                   # [k+1]
-        u = noise_uniform(batch.seed, positions[:, None] + j[:k], PURPOSE_SYNTHETIC)   # [B, k]
-        accepted = ((u < self.synthetic_acceptance) & (j[:k] < num_drafts[:, None])).long().cumprod(1).sum(1)
-        target = logits.argmax(-1)                                                   # [B, k+1]
-        drafts = torch.cat([draft_ids, target[:, -1:]], 1)                           # [B, k+1]
-        tokens = torch.where(j < accepted[:, None], drafts, target)
-        tokens = torch.where(j <= accepted[:, None], tokens, -1)
-        return tokens, accepted + 1
+    def accept(self, logits, draft_ids, num_drafts, batch, positions, draft_probs):
+        """Rejection sampling -> (tokens [B, k+1], -1 past the emitted ones; num_emitted [B]). A method, so a
+        benchmark's verifier (minedraft_ray.testing.workers) can replace it."""
+        return rejection_sample(logits, draft_ids, num_drafts, batch, positions, draft_probs)

@@ -72,7 +72,8 @@ SERIES = {
     "ray_minedraft_verifier_busy_fraction": (
         "gauge", "verify time / step wall time over the last ~1 s of steps (prefill not counted)"),
     "ray_minedraft_batch_size": ("gauge", "requests in batch `batch` (a | b) after the step; non-psd: all in a"),
-    "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after the step (psd keeps it <= 1)"),
+    "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after a step of the split (psd keeps it <= 1); 0 "
+                                      "while one sequential batch runs"),
     "ray_minedraft_queue_depth": ("gauge", "requests waiting for a slot"),
     "ray_minedraft_running_requests": ("gauge", "requests in the batches"),
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
@@ -114,7 +115,6 @@ class EngineMetrics:
                  refresh_s: float = 4.0):
         self.labels = {"model": model, "mode": mode, "replica": replica or replica_name()}
         self.manager = None
-        self.k = None
         self.window_s = window_s
         self.refresh_s = refresh_s
         self._busy_ms = self._wall_ms = 0.0
@@ -190,14 +190,14 @@ class EngineMetrics:
         self._pos_tags: list[dict] = []
 
     def attach(self, manager) -> "EngineMetrics":
-        """Register on a BatchManager (one `on_step` per engine step) and start the refresher."""
+        """Register on a BatchManager (one `on_step` per engine step) and start the refresher. The manager is
+        read through its declared snapshot (`manager.snapshot()`, runtime/telemetry.py) only."""
         self.manager = manager
-        self.k = manager.k
         for gauge in (self.queue_depth, self.running, self.slots_in_use, self.imbalance):
             self._set(gauge, 0)
         self._set(self.batch_size, 0, 0)
         self._set(self.batch_size, 0, 1)
-        self._set(self.num_slots, manager.num_slots)
+        self._set(self.num_slots, manager.snapshot().num_slots)
         manager.step_listeners.append(self.on_step)
         self.start_refresher()
         return self
@@ -255,6 +255,7 @@ class EngineMetrics:
     # ---- per step ------------------------------------------------------------------------------
     def on_step(self, record, manager=None) -> None:
         manager = manager or self.manager
+        snapshot = manager.snapshot() if manager is not None else None
         step_s = record.step_ms / 1e3
         # psd drafts one batch while verifying the other; every other regime drafts, then verifies
         busy_ms = (max(record.t_draft_ms, record.t_verify_ms) if record.regime == "psd"
@@ -273,7 +274,7 @@ class EngineMetrics:
             self._add(self.verify_total, record.t_verify_ms / 1e3)
         if record.draft_tokens:
             # each row carrying drafts carries k of them (the manager drafts k for every drafted row)
-            drafts = record.draft_tokens // (self.k or manager.k)
+            drafts = record.draft_tokens // snapshot.k
             self._add(self.num_drafts, drafts)
             self._add(self.num_draft_tokens, record.draft_tokens)
             self._add(self.num_accepted_tokens, record.accepted)
@@ -281,12 +282,14 @@ class EngineMetrics:
         a, b = record.sizes
         self._set(self.batch_size, a, 0)
         self._set(self.batch_size, b, 1)
-        self._set(self.imbalance, abs(a - b))
-        if manager is not None:
-            self._set(self.queue_depth, len(manager.waiting))
+        # the balance of the split; a sequential batch (one batch holds everyone) has none
+        split = record.regime == "psd" and not record.extra.get("one_batch")
+        self._set(self.imbalance, abs(a - b) if split else 0)
+        if snapshot is not None:
+            self._set(self.queue_depth, snapshot.waiting)
             self._set(self.running, a + b)
-            self._set(self.slots_in_use, manager.slots.num_used)
-            self._set(self.drafter_alive, 1 if manager.drafter_alive else 0)
+            self._set(self.slots_in_use, snapshot.slots_in_use)
+            self._set(self.drafter_alive, 1 if snapshot.drafter_alive else 0)
         self._busy_ms += record.t_verify_ms
         self._wall_ms += record.step_ms
         # a window ends after window_s of steps, or when the engine runs dry (the end of a burst)

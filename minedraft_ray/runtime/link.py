@@ -1,9 +1,9 @@
 """A point-to-point link between the drafter and the verifier actors: a two-rank gloo process group
 (torch.distributed's, the backend Ray's collective groups use for host tensors), one tag per message.
 
-Why not a Ray call: a Ray message costs about a millisecond (0.70-1.00 ms per hop on the 2x H200 host,
-bench/results/payload_hop_gpu.md), and psd's chain verify -> tokens -> draft -> drafts -> verify crosses two
-of them per cycle. A gloo message is a TCP write the receiving thread is already waiting for.
+Why not a Ray call: a Ray message costs about a millisecond per hop (docs/transport.md), and psd's chain
+verify -> tokens -> draft -> drafts -> verify crosses two of them per cycle. A gloo message is a TCP write
+the receiving thread is already waiting for.
 
 Semantics that shape the callers:
 - a send completes only once the peer posts the matching receive (same tag): sends never wait here, a

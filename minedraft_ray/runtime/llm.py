@@ -19,6 +19,7 @@ from ..engine.sampling import SamplingParams
 from ..ray_local import start_local_ray
 from .manager import BatchManager, StepOutput
 from .placement import create_placement_group
+from .workers import WorkerSet
 
 # one output record for the in-process engine and the Ray runtime
 RequestOutput = GenerationOutput
@@ -28,8 +29,8 @@ RequestOutput = GenerationOutput
 class ManagerActor:
     """Async actor hosting a BatchManager (bundle 0 of the placement group)."""
 
-    def __init__(self, config: dict, bench: dict | None = None):
-        self.manager = BatchManager(EngineConfig.model_validate(config), bench=bench)
+    def __init__(self, config: dict, workers: WorkerSet | None = None):
+        self.manager = BatchManager(EngineConfig.model_validate(config), workers=workers)
 
     async def start(self) -> dict:
         await self.manager.start()
@@ -53,8 +54,8 @@ class ManagerActor:
     async def abort(self, request_id: str) -> None:
         await self.manager.abort(request_id)
 
-    async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
-        await self.manager.reconfigure(k, bench)
+    async def reconfigure(self, k: int | None = None) -> None:
+        await self.manager.reconfigure(k)
 
     def info(self) -> dict:
         return self.manager.info()
@@ -87,7 +88,8 @@ def init_local_ray(**kwargs) -> None:
 
 class LLM:
     def __init__(self, target: str | None = None, draft: str | None = None, mode: str = "psd", k: int = 4,
-                 max_batch: int = 8, config: EngineConfig | None = None, _bench: dict | None = None, **settings):
+                 max_batch: int = 8, config: EngineConfig | None = None, _workers: WorkerSet | None = None, **settings):
+        """_workers: worker subclasses for tests and benchmarks (minedraft_ray.testing.workers)."""
         if config is None:
             fields = {"mode": mode, "k": k, "max_batch": max_batch, **settings}
             if target is not None:
@@ -102,7 +104,7 @@ class LLM:
             num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=True),
-        ).remote(config.model_dump(), _bench)
+        ).remote(config.model_dump(), _workers)
         self.worker_info = ray.get(self.manager.start.remote())
         from ..engine.loader import load_tokenizer
         from ..engine.presets import resolve_model
@@ -129,9 +131,9 @@ class LLM:
     def abort(self, request_id: str) -> None:
         ray.get(self.manager.abort.remote(request_id))
 
-    def reconfigure(self, k: int | None = None, _bench: dict | None = None) -> None:
-        """Benchmarks: new k / synthetic acceptance on an idle engine, same actors and graphs."""
-        ray.get(self.manager.reconfigure.remote(k, _bench))
+    def reconfigure(self, k: int | None = None) -> None:
+        """Benchmarks: a new k on an idle engine, same actors and graphs."""
+        ray.get(self.manager.reconfigure.remote(k))
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
 

@@ -1,20 +1,18 @@
-"""The batch manager: owns the requests, the two batches and the step loop.
+"""The batch manager: the asyncio driver between callers, the scheduler and the worker actors.
+
+The scheduler (scheduler.py) decides everything about batches and rounds and returns plans; the manager
+sends them to the actors in the scheduler's order, awaits the verifier's results in that same order, feeds
+each back (commit), streams the tokens, and asks for the next plans. One psd step is `_complete`: the
+oldest verifier task's result -> commit -> schedule -> submit.
 
 psd (the paper's batch parallelism): two batches A and B, each a chain draft -> verify -> commit ->
-draft -> ... The verifier runs its tasks in submission order, so while it verifies A, B's drafts
-are being made and B's verify is already queued behind A's (it takes B's drafts by reference, straight
-from the drafter). The manager commits results in that same order; its host work for one batch
-overlaps the other batch's verify, so it is off the verifier's critical path. The verifier keeps
-each slot's last token, position and sampling settings (workers.SlotState), so a verify message
-is slot ids plus a draft reference.
-
-In psd and sd_split a request is in at most one verify in flight (plus, when new, its prefill ahead of
-it); a request whose state is not committed yet (new, or moved between batches) rides without drafts or
-waits a step. The other modes share the loop with one chain: `sd_split` (draft then verify, chained by
-an object ref), and `ar` (verify only) and `sd` (one actor drafts and verifies), which build a step from
-the verifier's slot state alone and so keep the next step queued behind the running one. The manager is a plain asyncio
-object so it can live in a Serve replica (bundle 0 of the replica's placement group) or in an
-actor (`LLM`).
+draft -> ... The verifier runs its tasks in submission order, so while it verifies A, B's drafts are being
+made and B's verify is already queued behind A's (it takes B's drafts by reference, straight from the
+drafter). The manager's host work for one batch overlaps the other batch's verify. The verifier keeps each
+slot's last token, position and sampling settings (workers.SlotState), so a verify message is slot ids plus
+draft references. `sd_split` is one such chain; `ar` (verify only) and `sd` (one actor drafts and verifies)
+build a step from the verifier's slot state alone and keep the next step queued behind the running one.
+The manager is a plain asyncio object so it can live in a Serve replica or in an actor (`LLM`).
 """
 from __future__ import annotations
 
@@ -26,27 +24,28 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-import ray
 from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
 from ..engine.engine import commit_tokens, default_device, draft_rows
-from ..engine.kv_cache import SlotAllocator
 from ..engine.loader import load_tokenizer
 from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..observability.metrics import EngineMetrics, request_status
-from .placement import actor_options, create_placement_group
-from .regime import RegimeChooser
+from .actors import START_TIMEOUT_S, WorkerActors, wait_for
+from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
+                        VerifyPlan)
+from .streams import StepOutput, _merged, coalesced
+from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
+from .workers import DraftRound, RoundRow, SamplingRow, WorkerSet
+
+__all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
+           "overlap_by_default", "START_TIMEOUT_S"]
 
 log = logging.getLogger("minedraft.runtime")
-
-
-# an actor start loads weights and captures its CUDA graphs: far longer than any step may take
-START_TIMEOUT_S = 900.0
 
 
 class EngineOverloadedError(RuntimeError):
@@ -57,87 +56,17 @@ class EngineDeadError(RuntimeError):
     """The verifier (target model) is gone: no request can complete."""
 
 
-@dataclass
-class StepOutput:
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[dict] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: dict | None = None
-    error: str | None = None
-
-
-@dataclass
-class StepRecord:
-    """One step, for tests, benchmarks and metrics."""
-    regime: str                      # psd | seq | sd | ar
-    sizes: tuple[int, int]           # batch sizes after the step (psd: A, B)
-    verified: int
-    drafted: int
-    t_draft_ms: float = 0.0
-    t_verify_ms: float = 0.0
-    t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
-    step_ms: float = 0.0
-    host_ms: float = 0.0             # manager time in the step not spent waiting on actors
-    launch_gap_ms: float = 0.0       # verifier: start of this task - end of the previous verify
-    cadence_ms: float | None = None  # end of the batch's previous verify -> end of this one (a request's period)
-    emitted: int = 0
-    accepted: int = 0
-    draft_tokens: int = 0
-    admitted: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def ms_per_row(self) -> float:
-        """The verifier's wall time per row advanced, prefills left out (every request is prefilled once in
-        either regime): what psd's high-load choice compares (runtime/regime.py)."""
-        return (self.step_ms - self.t_prefill_ms) / self.verified
-
-
-@dataclass
-class _Task:
-    """Verifier work in flight, in the order the verifier runs it."""
+@dataclass(eq=False)
+class InFlight:
+    """A verifier task in flight, in the order the verifier runs it."""
+    plan: PrefillPlan | VerifyPlan
     kind: str                        # prefill | verify | step (sd: draft + verify in one actor)
-    batch: int | None                # the batch whose chain a verify continues (None: prefill)
-    requests: list[Request]
-    ref: object                      # the verifier's result
-    num_drafts: list[int]
-    regime: str = ""
-    draft_ms_ref: object = None      # the drafter's timing result (the drafts go to the verifier by ref)
-    drafts: object = None            # what the verify names as its drafts (a ref, or the channel's key)
-    drafted: int = 0
-    admitted: int = 0
-    submitted: float = 0.0
+    ref: object = None               # the verifier's result
+    submitted: float = field(default_factory=time.perf_counter)
     submitted_wall: float = field(default_factory=time.time)
-    low_load: bool = False           # submitted while one batch held every running request
-    high_load: str | None = None     # submitted while more wanted to run than one batch holds: the regime chosen
-    seq: int = -1                    # the verifier's launch order (workers.LaunchOrder)
-    draft_generation: int = 0        # the drafter its drafts came from (restarts count up)
     tokens_to: object = None         # collective channel: the key its tokens go to the next draft round under
-
-
-@dataclass
-class _DraftAhead:
-    """A batch's next draft round, submitted together with the batch's verify (psd, sd_split): it takes that
-    verify's result (and new rows' prefill results) by reference, so it starts on the drafter as soon as they
-    exist instead of after the manager's commit; the commit then only submits the next verify."""
-    drafts_ref: object
-    ms_ref: object
-    rows: dict          # id(request) -> (row in the round, seq of the request's last task it was built after)
-    generation: int     # the drafter it went to
-
-
-def _merged(a: StepOutput, b: StepOutput) -> StepOutput:
-    """Two consecutive outputs of one request as one (b's finish, stats and error win)."""
-    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
-    return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, logprobs, b.finished, b.finish_reason,
-                      b.stats, b.error)
-
-
-def _sampling_row(r: Request) -> tuple:
-    p = r.params
-    return (p.temperature, p.top_p, p.top_k, r.seed)
+    drafts: list = field(default_factory=list)          # the rounds it names (refs or channel keys)
+    draft_timings: list = field(default_factory=list)   # their device-time results
 
 
 def workers_on_gpu(config: EngineConfig) -> bool:
@@ -147,142 +76,112 @@ def workers_on_gpu(config: EngineConfig) -> bool:
 
 
 def overlap_by_default(config: EngineConfig) -> bool:
-    """verifier_overlap's default: on where the verifier computes on a GPU (measured there:
-    bench/results/psd_vs_sd_analysis.md); on a CPU the host is the device, nothing runs ahead and the waiting
-    threads only contend (slower)."""
+    """verifier_overlap's default: on where the verifier computes on a GPU (docs/design.md, "Overlap"); on a
+    CPU the host is the device, nothing runs ahead and the waiting threads only contend."""
     return workers_on_gpu(config)
+
+
+def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig:
+    """The config with every `auto` and default that depends on the model or the device made concrete."""
+    if config.max_len > model_cfg.max_position_embeddings:
+        # the model's own context limit wins over the (generic) default
+        log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
+                    model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+        config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
+    if config.transport == "auto":
+        config = config.model_copy(update={"transport": default_transport(on_gpu=workers_on_gpu(config))})
+    if config.verifier_overlap is None:
+        config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
+    if config.drafter_overlap is None:
+        config = config.model_copy(update={"drafter_overlap": config.verifier_overlap})
+    return config
 
 
 class BatchManager:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
-                 bench: dict | None = None):
-        self.config = config
-        self.bench = bench  # benchmark-only worker options (synthetic acceptance); never set by Serve
-        self.mode, self.k = config.mode, config.k
+                 workers: WorkerSet | None = None):
         target_dir = resolve_model(config.target)
         self.tokenizer = load_tokenizer(target_dir)
         model_cfg = ModelConfig.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)
-        if config.max_len > model_cfg.max_position_embeddings:
-            # the model's own context limit wins over the (generic) default
-            log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
-                        model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
-            config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
-            self.config = config
-        if config.transport == "auto":
-            config = config.model_copy(update={"transport": default_transport(on_gpu=workers_on_gpu(config))})
-            self.config = config
-        self.channel = make_channel(config.transport)
-        if config.verifier_overlap is None:
-            config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
-            self.config = config
-        if config.drafter_overlap is None:
-            config = config.model_copy(update={"drafter_overlap": config.verifier_overlap})
-            self.config = config
+        self.config = config = resolve_config(config, model_cfg)   # the one home of k and every setting
+        self.mode = config.mode
         self.max_len = config.max_len
         self.num_slots = config.num_slots or config.max_running
         if self.num_slots < config.max_running:
             raise ValueError(f"num_slots ({self.num_slots}) must hold the {config.max_running} requests mode "
                              f"{config.mode!r} keeps in flight")
-        self.slots = SlotAllocator(self.num_slots)
-        self._pg = placement_group
-        self._own_pg = False
-        self.waiting: deque[Request] = deque()
-        self.requests: dict[str, Request] = {}
-        self.batches: list[list[Request]] = [[], []]  # psd uses both; other modes only batches[0]
-        # verifies queued per chain: `sd` and `ar` build a step from the verifier's slot state alone, so one
-        # step waits behind the running one and the manager's host work overlaps the device; psd and
-        # sd_split draft from committed tokens on another actor, so they queue one (psd has two chains)
-        self.depth = 2 if self.mode in ("sd", "ar") else 1
-        self._seq = 0                                  # verifier tasks numbered so far (_next_seq)
-        self.queued = [0, 0]                           # verify tasks in flight per batch
-        self.inflight: deque[_Task] = deque()          # verifier tasks, in submission (= run) order
+        self.sched = Scheduler(SchedulerConfig(config.mode, config.max_batch, config.max_running, self.num_slots,
+                                               config.psd_min_requests, config.psd_low_load,
+                                               config.psd_high_load))
+        self.sched.drafter_alive = False   # until the drafter is up (start)
+        self.channel = make_channel(config.transport)
+        self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group)
+        self.requests: dict[str, RequestState] = {}
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.inflight: deque[InFlight] = deque()       # verifier tasks, in submission (= run) order
         self._last_end = 0.0                           # wall clock at the end of the latest verify
         # per batch: (end of its latest verify, step, regime, prefills done by then)
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
-        # psd or one sequential batch at low load; at high load, once saturated, by the verifier's time per row,
-        # sequential until the split measures cheaper (re-measured rarely: trying the sequential batch means
-        # draining to max_batch first)
-        self._chooser_args = {"low": {}, "high": dict(explore_every=2000, explore_steps=12, metric="ms_per_row",
-                                                      current="seq", order=("seq", "psd"))}
-        self.chooser = RegimeChooser(**self._chooser_args["low"])
-        self.high_chooser = RegimeChooser(**self._chooser_args["high"])
-        self.saturated = False   # psd: the demand filled both batches and has not yet fallen back to one batch
-        self.one_batch = False                         # psd: everyone gathered in one sequential batch now
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
-        self.counters = {"steps": 0, "drafter_failures": 0, "drafter_restarts": 0, "balance_violations": 0,
-                         "moves": 0, "aborted": 0, "finished": 0,
+        self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
                          "queued_behind": 0, "drafter_prefills": 0,
-                         # verifies whose drafts came from a round drafted ahead; rows of such rounds not used
-                         "drafts_ahead_used": 0, "draft_rows_unused": 0,
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
-        self.verifier = self.drafter = None
-        self._drafter_seq = 0                          # drafter tasks numbered so far (_next_drafter_seq)
-        self.drafter_alive = False
-        self.drafter_generation = 0      # counts drafter restarts: rounds for a dead drafter are not waited for
-        self.draft_ahead: list[_DraftAhead | None] = [None, None]   # per batch (psd, sd_split)
+        self.regime_steps = {"low": RegimeSteps(), "high": RegimeSteps()}   # what ran, per load (info)
         self.dead: str | None = None
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
-        self._verifier_cls, self._drafter_cls, self._spec_cls = self.channel.actor_classes()
+
+    # ---- what others read ----------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    @property
+    def verifier(self):
+        return self.actors.verifier
+
+    @property
+    def drafter(self):
+        return self.actors.drafter
+
+    @property
+    def worker_info(self) -> dict:
+        return self.actors.info
+
+    @property
+    def drafter_alive(self) -> bool:
+        return self.sched.drafter_alive
+
+    def snapshot(self) -> EngineSnapshot:
+        s = self.sched
+        return EngineSnapshot(self.k, len(s.waiting), s.num_running(), (len(s.batches[0]), len(s.batches[1])),
+                              s.slots.num_used, self.num_slots, s.drafter_alive)
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._pg is None:
-            self._pg = ray.util.get_current_placement_group()
-        if self._pg is None:
-            self._pg = await asyncio.to_thread(create_placement_group, self.mode)
-            self._own_pg = True
-        cfg = self.config.model_dump()
-        # overlap: a threaded verifier; a task waits for its turn in a thread of its own, and the tasks in
-        # flight at once are bounded by the batches' queue depths plus the prefills between them
-        threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
-        if self.mode == "sd":
-            self.verifier = self._spec_cls.options(**actor_options(self._pg, self.mode, "spec"), **threads).remote(
-                cfg, self.num_slots, self.bench)
-        else:
-            self.verifier = self._verifier_cls.options(**actor_options(self._pg, self.mode, "verifier"),
-                                                       **threads).remote(cfg, self.num_slots, self.bench)
-        waits = [self._get(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
-        if self.mode in ("sd_split", "psd"):
-            self.drafter = self._new_drafter()
-            waits.append(self._get(self.drafter.ready.remote(), "drafter start", START_TIMEOUT_S))
-        infos = await asyncio.gather(*waits)
-        self.worker_info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
-        if self.drafter is not None:
-            await self.channel.connect(self.drafter, self.verifier, infos[0]["device"])
-        self.drafter_alive = self.drafter is not None
+        await self.actors.start()
+        self.sched.drafter_alive = self.drafter is not None
         gc.collect()
         gc.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
-
-    def _new_drafter(self):
-        self._drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
-        threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
-        return self._drafter_cls.options(**actor_options(self._pg, self.mode, "drafter"), **threads).remote(
-            self.config.model_dump(), self.num_slots, self.bench)
 
     async def shutdown(self) -> None:
         if self._loop_task:
             self._loop_task.cancel()
         if self._restart_task:
             self._restart_task.cancel()
-        for r in list(self.requests.values()):
-            self._finish(r, "abort", error="engine shut down")
-        await self.channel.disconnect()
+        for state in list(self.requests.values()):
+            self._finish(state, "abort", error="engine shut down")
         self.metrics.close()
-        for actor in (self.verifier, self.drafter):
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        if self._own_pg:
-            ray.util.remove_placement_group(self._pg)
+        await self.actors.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
@@ -300,133 +199,112 @@ class BatchManager:
 
         bounded: refuse the request (EngineOverloadedError) when the queue is full; offline batch
         generation passes False, since it submits its whole workload at once by design.
-        interval_s: least time between two outputs (default: config.stream_interval_ms). Each output a
-        stream hands over costs a Ray hop per request (Serve, LLM.stream): at a step every few ms that cost
-        rivals the step's, so outputs within the interval are merged. The first output and the last one
-        (finished) go out at once, so TTFT and latency do not change; in-process callers pass 0."""
+        interval_s: least time between two outputs (default: config.stream_interval_ms; streams.py); in-process
+        callers pass 0."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        capacity = self.config.max_queued + max(self.config.max_running - self._num_running(), 0)
-        if bounded and len(self.waiting) >= capacity:
-            raise EngineOverloadedError(f"the engine queue is full ({len(self.waiting)} waiting)")
-        r = self.make_request(prompt_ids, params, request_id)
-        r.queue = asyncio.Queue()
-        r.aborted = False
-        r.inflight = 0          # verifier tasks in flight that hold this request
-        r.prefilling = False
-        r.prefill_at = None     # (prefill task, row) while its prefill is in flight
-        r.last_seq = -1         # seq of the latest verifier task committed for it
-        self.requests[r.id] = r
-        self.waiting.append(r)
+        waiting = len(self.sched.waiting)
+        capacity = self.config.max_queued + max(self.config.max_running - self.sched.num_running(), 0)
+        if bounded and waiting >= capacity:
+            raise EngineOverloadedError(f"the engine queue is full ({waiting} waiting)")
+        state = RequestState(self.make_request(prompt_ids, params, request_id))
+        queue = asyncio.Queue()
+        self.requests[state.id] = state
+        self.streams[state.id] = queue
+        self.sched.arrive(state)
         self._wake.set()
         interval = self.config.stream_interval_ms / 1e3 if interval_s is None else interval_s
-        last = None   # when the previous output went out
         try:
-            while True:
-                out: StepOutput = await r.queue.get()
-                while not out.finished:
-                    if not r.queue.empty():   # the consumer fell behind: hand over what is queued at once
-                        out = _merged(out, r.queue.get_nowait())
-                        continue
-                    wait = 0.0 if last is None else last + interval - time.perf_counter()
-                    if wait <= 0:
-                        break
-                    # not asyncio.wait_for: when the stream is cancelled just as an output arrives, it returns
-                    # the output and swallows the cancellation, and the request would never be aborted
-                    getter = asyncio.ensure_future(r.queue.get())
-                    try:
-                        await asyncio.wait((getter,), timeout=wait)
-                    finally:
-                        if not getter.done():
-                            getter.cancel()   # an output that was on its way stays in the queue
-                    if not getter.done() or getter.cancelled():
-                        break
-                    out = _merged(out, getter.result())
+            async for out in coalesced(queue, interval):
                 if out.error:
                     raise EngineDeadError(out.error)
                 yield out
-                last = time.perf_counter()
-                if out.finished:
-                    return
         finally:
-            if not r.finished:
-                await self.abort(r.id)
+            if not state.request.finished:
+                await self.abort(state.id)
 
     async def abort(self, request_id: str) -> None:
-        r = self.requests.get(request_id)
-        if r is None or r.finished:
+        state = self.requests.get(request_id)
+        if state is None or state.request.finished:
             return
-        r.aborted = True
-        if r in self.waiting:
-            self.waiting.remove(r)
-            self._finish(r, "abort")
-        # a running request is retired at the end of the step in flight (its slot is busy until then)
+        if self.sched.abort(state):
+            self._finish(state, "abort")
+        # a running request is retired at the next schedule (its slot is busy until its tasks are done)
         self._wake.set()
 
-    def _finish(self, r: Request, reason: str | None = None, error: str | None = None) -> None:
+    def _finish(self, state: RequestState, reason: str | None = None, error: str | None = None) -> None:
+        r = state.request
         if reason and not r.finished:
             r.finish_reason = reason
         r.stats.finished = r.stats.finished or time.perf_counter()
-        self._release(r)
+        self.sched.finish(state)
         self.requests.pop(r.id, None)
         self.counters["aborted" if r.finish_reason == "abort" else "finished"] += 1
         stats = r.stats.as_dict()
         self.metrics.on_request_finished(stats, request_status(r.finish_reason, error), len(r.prompt_ids),
-                                             len(r.output_ids))
-        r.queue.put_nowait(StepOutput(r.id, [], None, True, r.finish_reason, stats, error))
+                                         len(r.output_ids))
+        self.streams.pop(r.id).put_nowait(StepOutput(r.id, [], None, True, r.finish_reason, stats, error))
 
-    def _emit(self, requests: list[Request], kept: list[list[int]]) -> None:
+    def _emit(self, states: list[RequestState], kept: list[list[int]]) -> None:
         emitted = 0
-        for r, toks in zip(requests, kept):
+        for state, toks in zip(states, kept):
+            r = state.request
             emitted += len(toks)
             lp = r.logprobs[len(r.logprobs) - len(toks):] if r.params.logprobs is not None and toks else None
             if r.finished:
-                self._release(r)
+                self.sched.finish(state)
                 self.requests.pop(r.id, None)
                 self.counters["finished"] += 1
                 stats = r.stats.as_dict()
                 self.metrics.on_request_finished(stats, "finished", len(r.prompt_ids), len(r.output_ids))
-                r.queue.put_nowait(StepOutput(r.id, toks, lp, True, r.finish_reason, stats))
+                self.streams.pop(r.id).put_nowait(StepOutput(r.id, toks, lp, True, r.finish_reason, stats))
             elif toks:
-                r.queue.put_nowait(StepOutput(r.id, toks, lp))
+                self.streams[r.id].put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
-    def _release(self, r: Request) -> None:
-        """Free a finished request's slot once no verifier task in flight still writes to it."""
-        if r.slot is not None and r.inflight == 0 and r.finished:
-            self.slots.free(r.slot)
-            r.slot = None
-
-    async def reconfigure(self, k: int | None = None, bench: dict | None = None) -> None:
-        """Benchmarks: change k (and benchmark-only worker options) between workloads, keeping the
-        actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
-        if self.waiting or self._num_running() or self.inflight:
+    async def reconfigure(self, k: int | None = None) -> None:
+        """Benchmarks: change k between workloads, keeping the actors, models and CUDA graphs. Only while
+        idle: drafts in flight would carry the old k."""
+        if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
-            self.k = k
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
-            self.chooser = RegimeChooser(**self._chooser_args["low"])
-            self.high_chooser = RegimeChooser(**self._chooser_args["high"])
-        if bench is not None:
-            self.bench = bench
-            await self._get(self.verifier.set_bench.remote(bench), "reconfigure")
-
-    def _num_running(self) -> int:
-        return len(self.batches[0]) + len(self.batches[1])
+            self.sched.reset_choosers()
 
     def info(self) -> dict:
+        s = self.sched
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
-                "running": self._num_running(), "batch_sizes": [len(b) for b in self.batches],
-                "queued": len(self.waiting), "slots_in_use": self.slots.num_used, "num_slots": self.num_slots,
-                "drafter_alive": self.drafter_alive, "dead": self.dead, "transport": self.channel.name,
+                "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
+                "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
+                "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
-                **self.counters,
+                "steps": s.steps, **s.counters, **self.counters,
                 "recent_steps": self.recent_steps(),
-                **({"low_load_regime": self.chooser.info(), "high_load_regime": {**self.high_chooser.info(),
-                                                                                   "saturated": self.saturated}}
+                **({"low_load_regime": self._regime_info("low"), "high_load_regime": self._regime_info("high")}
                    if self.mode == "psd" else {})}
+
+    def _regime_info(self, load: str) -> dict:
+        """psd's regime at one load, as it ran: the policy, the regime the next steps take, the regime of the
+        latest step at that load and the steps per regime (ar: the drafter was down); the chooser's
+        measurements only where it chooses."""
+        s = self.sched
+        policy = self.config.psd_low_load if load == "low" else self.config.psd_high_load
+        chooser = s.chooser if load == "low" else s.high_chooser
+        if policy != "auto":
+            current = policy
+        elif load == "high" and not s.saturated:
+            current = "seq"
+        else:
+            current = chooser.trial or chooser.current
+        out = {"policy": policy, "current": current, "last_step": self.regime_steps[load].last,
+               "steps": dict(self.regime_steps[load].steps)}
+        if policy == "auto":
+            out.update(chooser.info(), current=current)
+        if load == "high":
+            out["saturated"] = s.saturated
+        return out
 
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
@@ -445,7 +323,7 @@ class BatchManager:
             try:
                 if self.inflight:
                     await self._complete(self.inflight[0])
-                elif self.waiting or self._num_running():
+                elif self.sched.waiting or self.sched.num_running():
                     self._schedule(None)
                     if not self.inflight:   # nothing can start (all slots still held): wait for news
                         self._wake.clear()
@@ -466,22 +344,14 @@ class BatchManager:
         log.error("engine is dead: %s", reason)
         self.inflight.clear()
         # every request still known: waiting, in a batch, or admitted in the step that failed
-        for r in list(self.requests.values()):
-            r.inflight = 0
-            if not r.finished:
-                self._finish(r, "abort", error=reason)
-        self.waiting.clear()
-        self.batches = [[], []]
-
-    async def _await(self, ref):
-        return await ref
+        for state in list(self.requests.values()):
+            state.inflight = 0
+            if not state.request.finished:
+                self._finish(state, "abort", error=reason)
+        self.sched.fail_all()
 
     async def _get(self, ref, what: str, timeout_s: float | None = None):
-        timeout_s = timeout_s or self.config.step_timeout_s
-        try:
-            return await asyncio.wait_for(self._await(ref), timeout_s)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
+        return await wait_for(ref, what, timeout_s or self.config.step_timeout_s)
 
     async def _verifier_result(self, ref, what: str):
         try:
@@ -489,394 +359,204 @@ class BatchManager:
         except Exception as e:
             raise EngineDeadError(f"the verifier failed during {what}: {e}") from e
 
-    async def _complete(self, task: _Task) -> None:
-        """Wait for the oldest verifier task, commit it, and (for a verify) continue its batch's chain."""
+    async def _complete(self, task: InFlight) -> None:
+        """One step: wait for the oldest verifier task, commit it, schedule and submit what follows."""
         t_draft = 0.0
-        if task.draft_ms_ref is not None:
+        if task.draft_timings:
             try:
-                t_draft = await self._get(task.draft_ms_ref, "draft")
+                for timing in task.draft_timings:
+                    t_draft += await self._get(timing, "draft")
             except Exception as e:
-                # the verify never ran (its drafts failed): run it again without drafts
-                if task.draft_generation == self.drafter_generation:   # not a round for a drafter since replaced
-                    self._drafter_down(e)
-                # under its own number: a task whose argument failed never ran, so its turn is still open
-                task.ref = self.channel.without_drafts(
-                    self.verifier, task.drafts, task.ref,
-                    lambda: self.verifier.verify.remote(task.seq, [r.slot for r in task.requests], None, None,
-                                                        self._num_logprobs(task.requests)))
-                task.num_drafts, task.regime, task.drafted = [0] * len(task.requests), "ar", 0
-                self.counters["draft_rounds_failed"] += 1
+                self._verify_without_drafts(task, e)
         result = await self._verifier_result(task.ref, task.kind)
         t_arrived = time.perf_counter()
         self.inflight.popleft()
-        if task.kind == "prefill":
+        if isinstance(task.plan, PrefillPlan):
             self._prefills_done += 1
-            tokens, logprobs, ms = result
-            self._prefill_ms += ms
-            for r in task.requests:
-                r.prefilling = False
-            self._commit(task, tokens, logprobs)
+            self._prefill_ms += result.device_ms
+            self.sched.commit_prefill(task.plan)
+            self._commit(task.plan.requests, result.tokens, result.logprobs, [0] * len(task.plan.requests))
             return
+        verify: VerifyPlan = task.plan
         if task.kind == "step":
-            tokens, logprobs, t_draft, t_verify, t_launch, t_end = result
-        else:
-            tokens, logprobs, t_verify, t_launch, t_end = result
-        record = StepRecord(task.regime, (0, 0), len(task.requests), task.drafted, t_draft_ms=t_draft,
-                            t_verify_ms=t_verify, t_prefill_ms=self._prefill_ms, admitted=task.admitted)
+            t_draft = result.draft_ms
+        num_drafts = [self.k if i >= 0 else 0 for i in verify.draft_index]
+        record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
+                            t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted)
         self._prefill_ms = 0.0
-        record.emitted = sum(len(t) for t in tokens)
-        record.draft_tokens = sum(task.num_drafts)
-        record.accepted = sum(len(t) - 1 for t, nd in zip(tokens, task.num_drafts) if nd)
-        self._commit(task, tokens, logprobs)
-        self.queued[task.batch] -= 1
-        self._schedule(task.batch)
-        record.sizes = (len(self.batches[0]), len(self.batches[1]))
+        record.emitted = sum(len(t) for t in result.tokens)
+        record.draft_tokens = sum(num_drafts)
+        record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
+        self.sched.commit_verify(verify)
+        self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
+        self._schedule(verify.batch)
+        self._record(task, record, result, t_arrived)
+
+    def _verify_without_drafts(self, task: InFlight, error: Exception) -> None:
+        """A round the verify names failed: the verify never ran (object store) or waits on a link that fails
+        with the drafter (collective); either way it runs without drafts."""
+        verify: VerifyPlan = task.plan
+        if verify.draft_generation == self.sched.drafter_generation:   # not a round of a drafter since replaced
+            self._drafter_down(error)
+        # under its own number: a task whose argument failed never ran, so its turn is still open
+        task.ref = self.channel.without_drafts(
+            self.verifier, task.drafts, task.ref,
+            lambda: self.verifier.verify.remote(verify.seq, [s.slot for s in verify.rows], None,
+                                                self._num_logprobs(verify.rows), None))
+        self.sched.verify_failed_drafts(verify)
+        self.counters["draft_rounds_failed"] += 1
+
+    def _record(self, task: InFlight, record: StepRecord, result, t_arrived: float) -> None:
+        verify: VerifyPlan = task.plan
+        s = self.sched
+        record.sizes = (len(s.batches[0]), len(s.batches[1]))
         if self.mode == "psd":
-            record.extra["one_batch"] = self.one_batch   # the balance invariant is psd's, not this chain's
-            if task.high_load:
-                record.extra["high_load"] = task.high_load   # the regime chosen under a queue (regime.py)
+            record.extra["one_batch"] = s.one_batch   # the balance invariant is psd's, not this chain's
+            if verify.high_load:
+                record.extra["high_load"] = verify.high_load   # the regime chosen under a queue (regime.py)
         now = time.perf_counter()
         # the verifier's cycle: from the end of its previous verify (or this one's submission, after idle)
         # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
-        record.step_ms = (t_end - max(self._last_end, task.submitted_wall)) * 1e3
-        self._observe_cadence(task, record, t_end)
+        record.step_ms = (result.t_end - max(self._last_end, task.submitted_wall)) * 1e3
+        self._observe_cadence(verify, record, result.t_end)
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
-        record.launch_gap_ms = (t_launch - self._last_end) * 1e3 if self._last_end else 0.0
-        self._last_end = t_end
+        record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
+        self._last_end = result.t_end
         record.host_ms = (now - t_arrived) * 1e3
-        self.counters["steps"] += 1
+        s.steps += 1
+        self.regime_steps["low" if verify.low_load else "high"].add(verify.regime)
         self.history.append(record)
         for listener in self.step_listeners:
             listener(record)
 
-    def _observe_cadence(self, task: _Task, record: StepRecord, t_end: float) -> None:
+    def _observe_cadence(self, verify: VerifyPlan, record: StepRecord, t_end: float) -> None:
         """A request's period in this batch: its previous verify's end to this one's, when the chain ran
         unbroken in one regime (at most the other batch's verify in between) at a load one batch holds.
         Periods with a prefill inside are not compared (either regime pays for arrivals the same)."""
-        step = self.counters["steps"]
-        prev_end, prev_step, prev_regime, prev_prefills = self._batch_end[task.batch]
-        self._batch_end[task.batch] = (t_end, step, task.regime, self._prefills_done)
-        if prev_regime == task.regime and step - prev_step <= 2 and task.regime in ("psd", "seq"):
+        step = self.sched.steps
+        prev_end, prev_step, prev_regime, prev_prefills = self._batch_end[verify.batch]
+        self._batch_end[verify.batch] = (t_end, step, verify.regime, self._prefills_done)
+        if prev_regime == verify.regime and step - prev_step <= 2 and verify.regime in ("psd", "seq"):
             record.cadence_ms = (t_end - prev_end) * 1e3
-            if task.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
-                self.chooser.observe(task.regime, record.cadence_ms, step)
+            if verify.low_load and prev_prefills == self._prefills_done and self.mode == "psd":
+                self.sched.chooser.observe(verify.regime, record.cadence_ms, step)
         # high load: the verifier's time per row; the split only while it was the choice (not while draining)
-        if task.high_load == task.regime and task.regime in ("psd", "seq") and self.mode == "psd":
-            self.high_chooser.observe(task.regime, record.ms_per_row, step)
+        if verify.high_load == verify.regime and verify.regime in ("psd", "seq") and self.mode == "psd":
+            self.sched.high_chooser.observe(verify.regime, record.ms_per_row, step)
 
-    def _low_load_regime(self) -> str:
-        policy = self.config.psd_low_load
-        return self.chooser.choose(self.counters["steps"]) if policy == "auto" else policy
-
-    def _demand(self) -> int:
-        return self._num_running() + len(self.waiting)
-
-    def _high_load(self) -> bool:
-        """More requests want to run than one batch holds."""
-        return self._demand() > self.config.max_batch
-
-    def _update_saturation(self) -> None:
-        """Saturated from a demand that fills both batches until one batch holds it again (hysteresis: leaving
-        at max_batch needs no drain, and a demand between the two keeps the regime it has)."""
-        demand = self._demand()
-        if demand >= 2 * self.config.max_batch:
-            self.saturated = True
-        elif demand <= self.config.max_batch:
-            self.saturated = False
-
-    def _high_load_regime(self) -> str:
-        """psd under a queue: forced by psd_high_load, else sequential (FIFO) until saturated, then measured."""
-        policy = self.config.psd_high_load
-        if policy != "auto":
-            return policy
-        return self.high_chooser.choose(self.counters["steps"]) if self.saturated else "seq"
-
-    def _high_load_choice(self) -> str | None:
-        """The regime a verify submitted now runs under a queue, where it was a choice (forced, or measured while
-        the demand fills both batches): recorded with the step, and what the high-load chooser's samples are
-        filed under. Not in the hysteresis band: a closed burst's tail (batches emptying) would charge the split
-        for rows it no longer has, and keep it from being tried again for explore_every steps."""
-        if self.mode != "psd" or not self._high_load():
-            return None
-        if self.config.psd_high_load == "auto" and (not self.saturated or self._demand() < 2 * self.config.max_batch):
-            return None
-        return self._high_load_regime()
-
-    def _sequential(self) -> bool:
-        """psd: run one sequential batch now (everyone fits one batch and the measurements favour it)."""
-        if self._num_running() > self.config.max_batch:
-            return False
-        return (self._high_load_regime() if self._high_load() else self._low_load_regime()) == "seq"
-
-    def _commit(self, task: _Task, tokens: list[list[int]], logprobs) -> None:
+    def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> None:
+        """Append a task's tokens to its requests and stream them (the scheduler has counted the task done)."""
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
-        for row, (r, toks, nd) in enumerate(zip(task.requests, tokens, task.num_drafts)):
-            r.inflight -= 1
-            r.last_seq = task.seq   # the tokens committed for r come from this task (drafts ahead check it)
-            if r.finished:       # finished or aborted meanwhile: its extra tokens are dropped
-                self._release(r)
+        for row, (state, toks, nd) in enumerate(zip(states, tokens, num_drafts)):
+            if state.request.finished:   # finished or aborted meanwhile: its extra tokens are dropped
+                self.sched.release(state)
                 continue
-            live.append(r)
+            live.append(state)
             live_tokens.append(toks)
             live_logprobs.append(logprobs[row] if logprobs is not None else None)
             live_drafts.append(nd)
         if live:
-            kept = commit_tokens(live, live_tokens, live_logprobs if logprobs is not None else None, live_drafts)
+            kept = commit_tokens([s.request for s in live], live_tokens,
+                                 live_logprobs if logprobs is not None else None, live_drafts)
             self._emit(live, kept)
 
-    def _num_logprobs(self, requests: list[Request]) -> int:
-        return max(r.params.logprobs or 0 for r in requests)
+    @staticmethod
+    def _num_logprobs(states: list[RequestState]) -> int:
+        return max(s.request.params.logprobs or 0 for s in states)
 
-    # ---- scheduling ----------------------------------------------------------------------------
-    def _schedule(self, committed: int | None) -> int:
-        """Membership changes (retire, admit, rebalance) and new verifier work for every batch without
-        a verify in flight. Runs when batch `committed` has just been committed (None: from idle).
-        Returns the number of requests admitted."""
-        self._retire()
-        self._update_saturation()
-        new = self._admit()
-        if new:
-            for r in new:
-                r.inflight, r.prefilling = 1, True
-            seq = self._next_seq()
-            prefill = _Task("prefill", None, new, self.verifier.prefill.remote(
-                seq, [r.slot for r in new], [r.prompt_ids for r in new], [_sampling_row(r) for r in new],
-                self._num_logprobs(new)), [0] * len(new), submitted=time.perf_counter(), seq=seq)
-            self.inflight.append(prefill)
-            for row, r in enumerate(new):
-                r.prefill_at = (prefill, row)   # a draft ahead of r's first verify takes its first token here
-            self._prefill_drafter(new)
-            self._place(new, committed)
-        self._rebalance(committed)
-        order = [committed, 1 - committed] if committed is not None else [0, 1]
-        for b in order:
-            admitted = len(new) if b == committed or committed is None else 0
-            while self.queued[b] < self.depth and self.batches[b] and self._submit_verify(b, admitted):
-                admitted = 0
-            if not self.batches[b]:
-                self._drop_ahead(b)   # no verify will name its round: its members all left the batch
-        return len(new)
+    # ---- plans -> actor calls ------------------------------------------------------------------
+    def _schedule(self, committed: int | None) -> None:
+        plan = self.sched.schedule(committed)
+        for state in plan.finished:
+            self._finish(state, "abort")
+        for round_ in plan.dropped:
+            self._drop_round(round_)
+        if plan.prefill is not None:
+            self._submit_prefill(plan.prefill)
+        for verify in plan.verifies:
+            self._submit_verify(verify)
 
-    def _drop_ahead(self, b: int) -> None:
-        """Batch b's round drafted ahead, which no verify will name."""
-        ahead, self.draft_ahead[b] = self.draft_ahead[b], None
-        if ahead is not None:
-            self.counters["draft_rows_unused"] += len(ahead.rows)
-            self.channel.discard(self.verifier, ahead.drafts_ref)
+    def _submit_prefill(self, prefill: PrefillPlan) -> None:
+        states = prefill.requests
+        prefill.handle = self.verifier.prefill.remote(
+            prefill.seq, [s.slot for s in states], [s.request.prompt_ids for s in states],
+            [SamplingRow.of(s.request) for s in states], self._num_logprobs(states))
+        self.inflight.append(InFlight(prefill, "prefill", prefill.handle))
+        if prefill.to_drafter and self.drafter is not None:
+            # the drafter (its own GPU) takes the prompts while the verifier prefills them
+            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), [s.slot for s in states],
+                                              [s.request.prompt_ids for s in states])
+            self.counters["drafter_prefills"] += 1
+            asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
+                                                                            self.sched.drafter_generation))
 
-    def _prefill_drafter(self, new: list[Request]) -> None:
-        """psd, sd_split: the drafter (its own GPU) takes the new prompts while the verifier prefills them, so
-        their first draft round feeds two tokens instead of the whole prompt (that catch-up was on the
-        critical path: sd_split's median draft took 14 ms instead of 3.4 under Poisson arrivals)."""
-        if self.mode not in ("psd", "sd_split") or not self.drafter_alive or self.drafter is None:
-            return
-        ref = self.drafter.prefill.remote(self._next_drafter_seq(), [r.slot for r in new], [r.prompt_ids for r in new])
-        self.counters["drafter_prefills"] += 1
-        for r in new:
-            r.draft_valid = len(r.prompt_ids)   # the drafter runs its tasks in order: before any draft of r
-        asyncio.get_running_loop().create_task(self._watch_drafter_prefill(ref))
-
-    async def _watch_drafter_prefill(self, ref) -> None:
-        # a failure here is the drafter's: serve ar and restart it (the restart resets draft_valid)
-        try:
-            await self._get(ref, "drafter prefill")
-        except Exception as e:
-            self._drafter_down(e)
-
-    def _admit(self) -> list[Request]:
-        new, limit = [], self.config.max_running
-        if self.mode == "psd" and self.drafter_alive and self._high_load() and self._high_load_regime() == "seq":
-            limit = self.config.max_batch   # one sequential batch; the rest wait (and psd drains to it)
-        while (self.waiting and self._num_running() + len(new) < limit
-               and self.slots.num_free > 0):
-            r = self.waiting.popleft()
-            r.slot = self.slots.alloc()
-            r.draft_valid = 0  # the drafter catches up on its first round
-            new.append(r)
-        return new
-
-    def _regime(self, b: int) -> str:
-        if self.mode in ("ar", "sd"):
-            return self.mode
-        if not self.drafter_alive:
-            return "ar"
-        return "psd" if self.mode == "psd" and self.batches[1 - b] else "seq"
-
-    def _submit_verify(self, b: int, admitted: int) -> bool:
-        """Queue batch b's next verify (and its drafts); False when no member can ride yet."""
-        if self.depth > 1:   # everything the step needs is in the verifier's slot state
-            rows = list(self.batches[b])
-        else:  # a request rides when its state is committed (then it may be drafted) or only its prefill is ahead
-            rows = [r for r in self.batches[b] if r.inflight == 0 or (r.inflight == 1 and r.prefilling)]
-        if not rows:
-            return False   # every member is still in flight in the other batch (moved): next commit
-        regime = self._regime(b)
-        ahead = self.draft_ahead[b]
-        if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
-            self._drop_ahead(b)   # for a drafter that died since (its rows fail) or no longer wanted
-            ahead = None
-        self.draft_ahead[b] = None
-        if regime == "sd":
-            drafted = rows
-        elif regime == "ar":
-            drafted = []
-        elif ahead is not None:   # rows drafted ahead from the tokens they hold now (nothing committed since)
-            drafted = [r for r in rows if r.inflight == 0 and ahead.rows.get(id(r), (0, None))[1] == r.last_seq]
-        else:
-            drafted = [r for r in rows if r.inflight == 0]
-        # each row's row in the drafts: in the round drafted ahead, or in the one submitted below
-        if ahead is not None:
-            self.counters["draft_rows_unused"] += len(ahead.rows) - len(drafted)
-        row_of = {id(r): ahead.rows[id(r)][0] if ahead is not None else i for i, r in enumerate(drafted)}
-        index = [row_of.get(id(r), -1) for r in rows]
-        num_drafts = [self.k if i >= 0 else 0 for i in index]
-        slots, nlp = [r.slot for r in rows], self._num_logprobs(rows)
-        task = _Task("verify", b, rows, None, num_drafts, regime, drafted=len(drafted), admitted=admitted,
-                     submitted=time.perf_counter(), low_load=not self._high_load(),
-                     seq=self._next_seq(), draft_generation=self.drafter_generation,
-                     high_load=self._high_load_choice())
-        drafts_next = regime in ("psd", "seq") and self.drafter_alive   # a round follows it (_draft_next_round)
-        task.tokens_to = self.channel.tokens_to(task.seq, len(rows), self.k) if drafts_next else None
-        if regime == "sd":
+    def _submit_verify(self, verify: VerifyPlan) -> None:
+        task = InFlight(verify, "verify")
+        slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(verify.rows)
+        if verify.next_round is not None or (verify.regime in ("psd", "seq") and self.sched.drafter_alive):
+            task.tokens_to = self.channel.tokens_to(verify.seq, len(verify.rows), self.k)
+        if verify.regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(task.seq, slots, self.k, nlp)
-        elif drafted:
-            if ahead is not None:
-                task.drafts, task.draft_ms_ref = ahead.drafts_ref, ahead.ms_ref
-                self.counters["drafts_ahead_used"] += 1
-            else:
-                task.drafts, task.draft_ms_ref = self.channel.submit(self.drafter, self.verifier,
-                                                                     self._draft_args(drafted))
-            task.ref = self.verifier.verify.remote(task.seq, slots, task.drafts, index, nlp, task.tokens_to)
+            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp)
         else:
-            if ahead is not None:   # none of its rows ride (all moved on since): no verify will name it
-                self.channel.discard(self.verifier, ahead.drafts_ref)
-            task.ref = self.verifier.verify.remote(task.seq, slots, None, None, nlp, task.tokens_to)
-        for r in rows:
-            r.inflight += 1
-        self.counters["queued_behind"] += self.queued[b] > 0
-        self.queued[b] += 1
+            for round_ in (verify.ahead, verify.fresh):
+                if round_ is None:
+                    continue
+                if round_.handle is None:   # drafted now, from committed tokens (and prefills in flight)
+                    self._submit_round(round_, None)
+                task.drafts.append(round_.handle)
+                task.draft_timings.append(round_.timing)
+            task.ref = self.verifier.verify.remote(verify.seq, slots, verify.draft_index if verify.drafted else None,
+                                                   nlp, task.tokens_to, *task.drafts)
+        self.counters["queued_behind"] += self.sched.queued[verify.batch] > 1
         self.inflight.append(task)
-        if drafts_next:
-            self._draft_next_round(b, task)
-        return True
+        if verify.next_round is not None:
+            self._submit_round(verify.next_round, task)
+        elif task.tokens_to is not None:
+            self.channel.drop_tokens(self.drafter, task.tokens_to)
 
-    def _draft_next_round(self, b: int, verify: _Task) -> None:
-        """Submit batch b's next draft round now, behind `verify` (psd, sd_split): every member whose tasks in
-        flight are at most its prefill and this verify gets a row whose tokens are its committed ones plus
-        those tasks' tokens, which the drafter reads from their results (Ray hands them over when they exist).
-        The chain verify -> draft -> verify then runs without waiting for the manager's commit, which happens
-        meanwhile; at the next verify, rows whose state moved on otherwise (moved, re-verified) go without."""
-        at_verify = {id(r): row for row, r in enumerate(verify.requests)}
-        sources, source_of = [verify.tokens_to or verify.ref], {}
-        rows, built = [], {}
-        for r in self.batches[b]:
-            vrow = at_verify.get(id(r))
-            if r.finished or r.inflight != (vrow is not None) + r.prefilling:
-                continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
-            takes, last = [], r.last_seq
-            if r.prefilling:
-                prefill, prow = r.prefill_at
-                if id(prefill) not in source_of:
-                    source_of[id(prefill)] = len(sources)
-                    sources.append(prefill.ref)
-                takes.append((source_of[id(prefill)], prow))
-                last = prefill.seq
-            if vrow is not None:
-                takes.append((0, vrow))
-                last = verify.seq
-            # the drafter's slot holds every token but the last two of the sequence the row ends with: after
-            # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
-            all_but_two = (vrow is not None and verify.num_drafts[vrow] > 0) or \
-                (r.prefilling and r.draft_valid >= len(r.prompt_ids))
-            built[id(r)] = (len(rows), last)
-            rows.append((r, takes, all_but_two))
-        if not rows:
-            if verify.tokens_to is not None:
-                self.channel.drop_tokens(self.drafter, verify.tokens_to)
+    def _submit_round(self, round_: DraftPlan, after: InFlight | None) -> None:
+        """A draft round to the drafter. Its rows' tokens past their committed ones come from tasks still in
+        flight: a prefill's first token, and (drafted ahead) the tokens of the verify `after`, which Ray hands
+        over when they exist (or the link brings)."""
+        sources, source_of = ([after.tokens_to or after.ref] if after is not None else []), {}
+        rows = []
+        for row, spec in zip(draft_rows([r.state.request for r in round_.rows]), round_.rows):
+            takes = []
+            if spec.from_prefill is not None:
+                if id(spec.from_prefill) not in source_of:
+                    source_of[id(spec.from_prefill)] = len(sources)
+                    sources.append(spec.from_prefill.handle)
+                takes.append((source_of[id(spec.from_prefill)], spec.state.prefill_row))
+            if spec.verify_row >= 0:
+                takes.append((0, spec.verify_row))
+            rows.append(RoundRow(row.slot, row.valid, row.catchup, takes, spec.all_but_two))
+        requests = [r.state.request for r in round_.rows]
+        message = DraftRound(self.actors.next_drafter_seq(), rows, self.k, [r.seed for r in requests],
+                             [len(r.output_ids) for r in requests])
+        round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
+
+    def _drop_round(self, round_: DraftPlan) -> None:
+        """A round drafted ahead that no verify will name."""
+        if round_.handle is None:
             return
-        args = self._draft_args([r for r, _, _ in rows], [(takes, abt) for _, takes, abt in rows])
-        drafts_ref, ms_ref = self.channel.submit(self.drafter, self.verifier, (*args, *sources))
-        self.draft_ahead[b] = _DraftAhead(drafts_ref, ms_ref, built, self.drafter_generation)
+        self.channel.discard(self.verifier, round_.handle)
+        if round_.generation == self.sched.drafter_generation:   # a fault in it still says the drafter is unwell
+            asyncio.get_running_loop().create_task(self._watch_drafter_task(round_.timing, "draft round",
+                                                                            round_.generation))
 
-    def _next_seq(self) -> int:
-        """Number the next verifier task: the verifier launches its tasks' device work in this order."""
-        self._seq += 1
-        return self._seq - 1
-
-    def _next_drafter_seq(self) -> int:
-        """Number the next drafter task: the drafter launches its tasks' device work in this order."""
-        self._drafter_seq += 1
-        return self._drafter_seq - 1
-
-    def _draft_args(self, batch: list[Request], ahead: list[tuple] | None = None) -> tuple:
-        """(drafter task number, rows (slot, valid, committed tail, takes, all_but_two), k, seeds, output
-        positions of the first drafts); `ahead`: per request the (takes, all_but_two) of a round drafted ahead
-        (DrafterWorker._draft)."""
-        ahead = ahead or [((), False)] * len(batch)
-        rows = [(row.slot, row.valid, row.catchup, *extra) for row, extra in zip(draft_rows(batch), ahead)]
-        return self._next_drafter_seq(), rows, self.k, [r.seed for r in batch], [len(r.output_ids) for r in batch]
-
-    # ---- batches -------------------------------------------------------------------------------
-    def _keep(self, r: Request) -> bool:
-        """False for a request that is done; an aborted one is finished here (its slot freed once idle)."""
-        if r.finished:
-            return False
-        if r.aborted:
-            self._finish(r, "abort")
-            return False
-        return True
-
-    def _retire(self) -> None:
-        self.batches = [[r for r in batch if self._keep(r)] for batch in self.batches]
-
-    def _place(self, new: list[Request], committed: int | None) -> None:
-        """New requests join the smaller batch; on a tie, the batch committed now (its next verify is
-        submitted first). Below psd_min_requests, `_rebalance` gathers everyone in one batch."""
-        for r in new:
-            if self.mode != "psd":
-                self.batches[0].append(r)
-                continue
-            a, b = len(self.batches[0]), len(self.batches[1])
-            if a != b:
-                self.batches[0 if a < b else 1].append(r)
-            else:
-                self.batches[committed if committed is not None else 0].append(r)
-
-    def _rebalance(self, committed: int | None) -> None:
-        """psd: keep | |A| - |B| | <= 1 by moving requests to the smaller batch, preferring requests
-        with nothing in flight (a request moved out of a verify in flight skips a step). Below
-        psd_min_requests everyone goes to one batch: a sequential chain (psd would move each request
-        only every other step); so it does while one batch holds every running request and the measured
-        cadences favour it (psd_low_load, regime.py)."""
-        if self.mode != "psd":
-            return
-        total = self._num_running()
-        if total < self.config.psd_min_requests or self._sequential():
-            self.one_batch = True
-            keep = 0 if len(self.batches[0]) >= len(self.batches[1]) else 1
-            if self.batches[1 - keep]:
-                self.counters["moves"] += len(self.batches[1 - keep])
-                self.batches[keep] += self.batches[1 - keep]
-                self.batches[1 - keep] = []
-            return
-        self.one_batch = False
-        while abs(len(self.batches[0]) - len(self.batches[1])) > 1:
-            big = 0 if len(self.batches[0]) > len(self.batches[1]) else 1
-            batch = self.batches[big]
-            idle = [i for i, r in enumerate(batch) if r.inflight == 0]
-            r = batch.pop(idle[-1] if idle else -1)
-            self.batches[1 - big].append(r)
-            self.counters["moves"] += 1
-        if total >= 2 and abs(len(self.batches[0]) - len(self.batches[1])) > 1:
-            self.counters["balance_violations"] += 1
+    async def _watch_drafter_task(self, ref, what: str, generation: int) -> None:
+        """A drafter task nobody else awaits: its failure is the drafter's (serve ar and restart it)."""
+        try:
+            await self._get(ref, what)
+        except Exception as e:
+            if generation == self.sched.drafter_generation:
+                self._drafter_down(e)
 
     # ---- drafter faults --------------------------------------------------------------------------
     def _drafter_down(self, error: Exception) -> None:
-        if not self.drafter_alive:
+        if not self.sched.drafter_down():
             return
-        self.drafter_alive = False
-        self.drafter_generation += 1   # rounds already sent to it fail or are dropped, and say nothing more
         self.counters["drafter_failures"] += 1
         log.warning("drafter failed (%s); serving in ar mode while it restarts", error)
         if self._restart_task is None or self._restart_task.done():
@@ -885,25 +565,15 @@ class BatchManager:
     async def _restart_drafter(self) -> None:
         delay = 0.5
         while not self.dead:
-            old, self.drafter = self.drafter, None
             try:
-                ray.kill(old, no_restart=True)
-            except Exception:
-                pass
-            try:
-                self.drafter = self._new_drafter()
-                info = await self._get(self.drafter.ready.remote(), "drafter restart", START_TIMEOUT_S)
-                await self.channel.connect(self.drafter, self.verifier, info["device"])
+                await self.actors.replace_drafter()
             except Exception as e:
                 log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
                 continue
-            for r in self.batches[0] + self.batches[1] + list(self.waiting):
-                r.draft_valid = 0  # the new drafter holds no KV: catch up from the start
+            self.sched.drafter_up()
             self.counters["drafter_restarts"] += 1
-            self.worker_info = {**self.worker_info, "drafter": info}   # info() reports the live drafter
-            self.drafter_alive = True
             log.warning("drafter restarted; speculative decoding resumed")
             self._wake.set()
             return

@@ -1,33 +1,26 @@
 """psd or one sequential batch: chosen by measurement, at low load by per-request cadence, at high load by
-the verifier's time per row.
+the verifier's time per row (docs/design.md, "Low load" and "High load", gives the measurements behind it).
 
 PSD splits the running requests into two batches that take turns on the verifier, so each request advances
 once every two verifies. When every running request fits one batch (at most max_batch), a single sequential
-batch (draft, then verify, on the same two GPUs: `sd_split`'s schedule) advances each of them once per
-draft + verify + hops instead. Which is faster depends on the pair, k and the host: psd wins when a verify
-outlasts drafting plus the sequential step's Ray hops, and loses otherwise (2x H200, 8B/1B, k=2: psd's
-P50 latency was 1.15-1.52x sd_split's at 30-90 % load at adac596; bench/results/psd_vs_sd_analysis.md). So the manager
-measures both: the cadence of a request is the time between two ends of its batch's verifies, averaged per
-regime over steps at such loads, and the regime without a recent measurement is tried for a few steps now
-and then (both regimes are lossless, so trying costs time only).
+batch (draft, then verify: `sd_split`'s schedule) advances each of them once per draft + verify + hops
+instead. psd wins when a verify outlasts drafting plus the sequential step's Ray hops, and loses otherwise;
+which holds depends on the pair, k and the host. So the manager measures both: the cadence of a request is
+the time between two ends of its batch's verifies, kept per regime, and the regime without a recent
+measurement is tried for a few steps now and then (both regimes are lossless, so trying costs time only).
 
-At high load (more requests want to run than one batch holds), psd's split holds up to 2 x max_batch
-requests and the sequential batch holds max_batch and queues the rest. The split buys throughput only where a
-verify of half the rows costs clearly less than a sequential step of all of them, and it costs latency: a
-queue in front of the faster sequential chain serves requests of similar length sooner than sharing the
-verifier among twice as many (FIFO against processor sharing). Online at 60-90 % load the split lost (2x
-H200, 8B/1B, k = 3, 0dfaed3: P50 1.24x sd_split's at 90 %, 3 % more tokens/s, a request's period 41 against
-18 ms). So psd considers the split only once the demand fills both batches (running + waiting >=
-2 x max_batch, "saturated") and leaves it only when one batch holds the demand again (no drain needed), and
-while saturated a second chooser compares the verifier's time per row advanced in each regime, prefills
-left out (every request is prefilled once in either regime; counting them charged the split for the burst of
-admissions it starts with). It starts sequential and takes the split only where that is cheaper by the margin.
-It measures the sequential batch first: demand rises from one batch's worth, so neither first measurement
-needs a drain (measuring the split first meant draining 2 x max_batch running requests to max_batch, in a
-closed burst a whole request lifetime of shrinking split batches).
+At high load (more requests want to run than one batch holds), the split holds up to 2 x max_batch requests
+and the sequential batch holds max_batch and queues the rest. The split buys throughput only where a verify
+of half the rows costs clearly less than a sequential step of all of them, and it costs latency: a queue in
+front of the faster sequential chain serves requests of similar length sooner than sharing the verifier
+among twice as many (FIFO against processor sharing). So psd considers the split only once the demand fills
+both batches ("saturated"), and leaves it only when one batch holds the demand again (no drain needed).
+While saturated a second chooser compares the verifier's time per row advanced, prefills left out (every
+request is prefilled once in either regime). It measures the sequential batch first: demand rises from one
+batch's worth, so neither first measurement needs a drain.
 
-A regime's cost is the median of its latest samples (a trial's worth), so a step that captured a CUDA graph or
-waited on a restart does not decide.
+A regime's cost is the median of its latest samples (a trial's worth), so one slow step (a graph capture, a
+restart) does not decide.
 """
 from __future__ import annotations
 

@@ -5,16 +5,16 @@ The manager only ever holds references or keys; drafts never pass through it.
 - `collective` (default where the workers compute on GPUs): drafter and verifier talk over a gloo link of
   their own (runtime/link.py), both ways: the drafter sends each round's drafts, and each verify sends its
   tokens to the draft round queued behind it, so neither direction of psd's chain (verify -> tokens -> draft
-  -> drafts -> verify) waits for a Ray message (a hop of 0.14 ms against 0.85 ms through Ray on the 2x H200
-  host, bench/results/payload_hop_gpu.md). The manager still orders everything with Ray calls made ahead of
-  time; they carry keys (LinkRound, LinkTokens) that tell each side the tag and shape of the message to wait for.
+  -> drafts -> verify) waits for a Ray message (docs/transport.md). The manager still orders everything with
+  Ray calls made ahead of time; they carry keys (LinkRound, LinkTokens) that tell each side the tag and shape
+  of the message to wait for.
 - `object_store` (default on CPUs): the drafter returns host lists; the verify task names that result as an
   argument, so Ray hands it over through the manager (the result's owner): drafter -> manager -> verifier,
   and a draft round names its verify's result the same way.
 
 Measured and removed (docs/transport.md): Ray Direct Transport (RDT, NCCL/gloo collective groups; slower for
 token-id payloads, and it kills the receiving verifier when the drafter dies), and `direct` (the drafter
-calling the verifier itself; one Ray hop of 0.80 ms instead of 0.85, superseded by the link).
+calling the verifier itself; barely faster than through the manager, superseded by the link).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import logging
 
 import ray
 
-from .workers import DrafterWorker, LinkRound, LinkTokens, SpecWorker, VerifierWorker
+from .workers import DraftRound, LinkRound, LinkTokens, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -31,10 +31,10 @@ class DraftChannel:
     name = "abstract"
     actor_options: dict = {}
 
-    def actor_classes(self):
+    def actor_classes(self, workers: WorkerSet):
         """(VerifierActor, DrafterActor, SpecActor) remote classes suited to this channel."""
         opts = {"max_restarts": 0, **self.actor_options}
-        return ray.remote(**opts)(VerifierWorker), ray.remote(**opts)(DrafterWorker), ray.remote(**opts)(SpecWorker)
+        return tuple(ray.remote(**opts)(cls) for cls in (workers.verifier, workers.drafter, workers.spec))
 
     async def connect(self, drafter, verifier, device: str) -> None:
         """Called after both actors are up (and again after a drafter restart)."""
@@ -42,8 +42,9 @@ class DraftChannel:
     async def disconnect(self) -> None:
         pass
 
-    def submit(self, drafter, verifier, args: tuple):
-        """-> (what the verify names as its drafts, device-ms ref for the manager)."""
+    def submit(self, drafter, verifier, round_: DraftRound, sources: list):
+        """A draft round (sources: what its rows take tokens from) -> (what the verify names as its drafts,
+        device-ms ref for the manager)."""
         raise NotImplementedError
 
     def discard(self, verifier, drafts) -> None:
@@ -65,8 +66,8 @@ class DraftChannel:
 class ObjectStoreChannel(DraftChannel):
     name = "object_store"
 
-    def submit(self, drafter, verifier, args):
-        return drafter.draft.options(num_returns=2).remote(*args)
+    def submit(self, drafter, verifier, round_, sources):
+        return drafter.draft.options(num_returns=2).remote(round_, *sources)
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         # a task whose argument failed never ran: submit it again (under its own number, its turn is still open)
@@ -85,10 +86,10 @@ class CollectiveChannel(DraftChannel):
         host, port = await verifier.open_link.remote(self.generation)
         await drafter.join_link.remote(self.generation, host, port)
 
-    def submit(self, drafter, verifier, args):
-        rows, k = args[1], args[2]
-        key, self._next_key = LinkRound(self._next_key, len(rows), k, self.generation), self._next_key + 1
-        return key, drafter.draft_over.remote(key, *args)
+    def submit(self, drafter, verifier, round_, sources):
+        key = LinkRound(self._next_key, len(round_.rows), round_.k, self.generation)
+        self._next_key += 1
+        return key, drafter.draft_over.remote(key, round_, *sources)
 
     def discard(self, verifier, drafts) -> None:
         verifier.drain_drafts.remote(drafts)
@@ -109,9 +110,8 @@ CHANNELS = {c.name: c for c in (ObjectStoreChannel, CollectiveChannel)}
 
 
 def default_transport(on_gpu: bool) -> str:
-    """The channel where `transport` is auto: the link on GPUs (psd at m = 16 on 2x H200: verifier busy 0.96-0.99
-    at k <= 4 against 0.82-0.98 with the object store, docs/transport.md); the object store on CPUs, where the
-    two actors and the link's threads share the cores (slower on the 2-core dev machine)."""
+    """The channel where `transport` is auto: the link on GPUs (the verifier idles less, docs/transport.md); the
+    object store on CPUs, where the two actors and the link's threads share the cores."""
     return "collective" if on_gpu else "object_store"
 
 

@@ -7,12 +7,13 @@ an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,16 +116,64 @@ class LinkTokens:
     generation: int
 
 
-def sampling_batch(rows: list[tuple], device) -> SamplingBatch:
-    """rows: (temperature, top_p, top_k, seed) per request -> SamplingBatch."""
-    params = [SamplingParams(temperature=t, top_p=p, top_k=k) for t, p, k, _ in rows]
-    return SamplingBatch.build(params, device, seeds=[s for *_, s in rows])
+@dataclass(frozen=True)
+class SamplingRow:
+    """A request's sampling settings, as the verifier keeps them per slot."""
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+    @classmethod
+    def of(cls, request) -> "SamplingRow":
+        p = request.params
+        return cls(p.temperature, p.top_p, p.top_k, request.seed)
+
+
+def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
+    params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k) for r in rows]
+    return SamplingBatch.build(params, device, seeds=[r.seed for r in rows])
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """One request of a draft round. Its sequence past the `valid` tokens its drafter slot holds is `tail` (its
+    committed tokens) followed by the tokens it `takes`: (source, row) pairs naming a row of a verifier result
+    passed with the round (a prefill's first token, a verify's emitted tokens), in order. With `all_but_two`
+    the slot already holds all of that sequence but its last two tokens, so only those are fed."""
+    slot: int
+    valid: int
+    tail: list[int]
+    takes: list[tuple[int, int]] = ()
+    all_but_two: bool = False
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """A drafter task: k drafts for each row. positions: each row's output position of its first draft before
+    the taken tokens (the noise key of probabilistic drafting)."""
+    seq: int
+    rows: list[RoundRow]
+    k: int
+    seeds: list[int]
+    positions: list[int]
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    """What a verifier task returns: the tokens each row emitted (and their logprobs), and timings. Wall
+    times are on the manager's host: step times are measured where the work runs."""
+    tokens: list[list[int]]
+    logprobs: list[list[dict]] | None
+    device_ms: float
+    t_launch: float = 0.0     # wall time the launch began
+    t_end: float = 0.0        # wall time at the end
+    draft_ms: float = 0.0     # sd: the draft half of the step
 
 
 class _Worker:
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
+    def __init__(self, config: dict, num_slots: int):
         self.config = EngineConfig.model_validate(config)
-        self.bench = bench or {}
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = pick_device(self.config)
@@ -220,11 +269,10 @@ class VerifierWorker(_Worker):
     waits for the device (a CUDA event wait releases the GIL), so the next task's Ray hand-over and host
     work overlap this one's device time instead of following it."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # verify steps are k + 1 wide, or 1 when no row carries drafts
-        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)),
-                                 self.bench.get("synthetic_acceptance"))
+        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
 
@@ -247,8 +295,20 @@ class VerifierWorker(_Worker):
         except Exception:  # noqa: BLE001 - the drafter died: its round will not come
             pass
 
-    def _take_drafts(self, drafts):
-        """What a verify names as its drafts -> {"ids", "probs"} or None (run without: the round failed)."""
+    def _take_drafts(self, rounds) -> dict | None:
+        """The rounds a verify names -> their drafts, rows concatenated in order, as {"ids", "probs"}; None
+        (run without) when there are none or one failed."""
+        taken = [self._take_round(r) for r in rounds]
+        if not taken or any(t is None for t in taken):
+            return None
+        if len(taken) == 1:
+            return taken[0]
+        ids = torch.cat([torch.as_tensor(t["ids"], dtype=torch.int64) for t in taken])
+        probs = None if taken[0]["probs"] is None else torch.cat([torch.as_tensor(t["probs"]) for t in taken])
+        return {"ids": ids, "probs": probs}
+
+    def _take_round(self, drafts):
+        """One round a verify names -> {"ids", "probs"}, or None (the round failed)."""
         if not isinstance(drafts, LinkRound):
             return drafts
         link = self._link_of(drafts.generation)
@@ -275,15 +335,9 @@ class VerifierWorker(_Worker):
         except Exception as e:  # noqa: BLE001 - the drafter's death is the manager's to handle
             log.warning("verify %d: tokens not sent to the drafter (%s)", to.seq, e)
 
-    def set_bench(self, bench: dict) -> None:
-        """Benchmark-only options (never reachable from Serve): synthetic acceptance."""
-        self.bench = bench or {}
-        self.verifier.synthetic_acceptance = self.bench.get("synthetic_acceptance")
-
-    def _run(self, seq: int, launch, tokens_to: LinkTokens | None = None):
+    def _run(self, seq: int, launch, tokens_to: LinkTokens | None = None) -> VerifierResult:
         """launch() -> (VerifyResult staged to host, StepTimer) runs in turn `seq`; then its results are
-        awaited (and, for the collective channel, its tokens sent to the drafter first)
-        -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end)."""
+        awaited (and, for the collective channel, its tokens sent to the drafter first)."""
         with self._turn(seq):
             t_launch = time.time()
             staged, timer = launch()
@@ -291,33 +345,31 @@ class VerifierWorker(_Worker):
         if tokens_to is not None:
             self._send_tokens(tokens_to, staged.tokens.cpu())
         tokens, logprobs = staged.to_host()
-        return tokens, logprobs, ms, t_launch, time.time()
+        return VerifierResult(tokens, logprobs, ms, t_launch, time.time())
 
-    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[tuple],
-                num_logprobs: int):
+    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[SamplingRow],
+                num_logprobs: int) -> VerifierResult:
         """Start requests: prompt KV, first token, and the slot state later verify steps read."""
         def launch():
             with StepTimer(self.device) as timer:
                 result = self._prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
                 staged = result.staged()
             return staged, timer
-        tokens, logprobs, ms, _, _ = self._run(seq, launch)
-        return tokens, logprobs, ms
+        return self._run(seq, launch)
 
     def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
         result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
         self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], prompts)
         return result
 
-    def verify(self, seq: int, slots: list[int], drafts, draft_index: list[int] | None, num_logprobs: int,
-               tokens_to: LinkTokens | None = None):
+    def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
+               tokens_to: LinkTokens | None = None, *drafts) -> VerifierResult:
         """One verify step for slots (their last tokens and positions are in the slot state).
 
-        drafts: {"ids": [N, k], "probs": [N, k, W] packed | None} from the draft channel (or the key it comes under);
-        draft_index[b] is row b's row in it, or -1 for a row without drafts (new, moved, or drafter down).
-        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
-        -> (tokens, logprobs, device ms, wall time the launch began, wall time at the end); wall times are on
-        the manager's host: step times are measured where the work runs."""
+        drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None} from
+        the draft channel (or the key it comes under); draft_index[b] is row b's row in their concatenation,
+        or -1 for a row without drafts (drafter down).
+        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it."""
         def launch():
             round_drafts = self._take_drafts(drafts)
             with StepTimer(self.device) as timer:
@@ -359,13 +411,12 @@ class DrafterWorker(_Worker):
     rows outside its turn, launches its device work in its turn, and waits for the device after it, so the next
     round's hand-over and host work overlap this one's device time instead of following it."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
         self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
-        self.rounds = 0   # draft rounds run
 
     def prefill(self, seq: int, slots: list[int], prompts: list[list[int]]) -> float:
         """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
@@ -375,60 +426,50 @@ class DrafterWorker(_Worker):
                 self.drafter.prefill(slots, prompts)
         return timer.ms
 
-    def draft(self, *args):
+    def draft(self, round_: DraftRound, *sources):
         """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (draft_sample_packed) | None},
         device ms)."""
-        ids, probs, ms = self._draft(*args)
-        # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer,
-        # and the hop from the drafter's end to the verify's start took 1.37 instead of 0.89 ms (bench/results/logs/payload_hop_cpu_before_link.md)
+        ids, probs, ms = self._draft(round_, *sources)
+        # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer, which
+        # made the hop from the drafter to the verify slower (docs/transport.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
-    def _draft(self, seq: int, rows: list[tuple], k: int, seeds: list[int], positions: list[int], *sources):
-        """Drafter task `seq`. rows: (slot, valid, tail, takes, all_but_two) per request; sources: results of
-        verifier tasks (prefill, verify) still in flight when the round was submitted, which Ray passes in once
-        they exist, or (the collective channel) the LinkTokens a verify sends them under. A row's sequence past
-        `valid` is tail + the tokens it takes ((source, row) pairs, in order); with all_but_two the slot already
-        holds all of that sequence but its last two tokens, so only those are fed.
-        positions: output position of each row's first draft before the taken tokens.
+    def _draft(self, round_: DraftRound, *sources):
+        """Drafter task round_.seq. sources: results of verifier tasks (prefill, verify) still in flight when the
+        round was submitted, which Ray passes in once they exist, or (the collective channel) the LinkTokens a
+        verify sends them under; rows take their tokens from these (RoundRow).
         -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host;
         device ms)."""
-        draft_rows, error = [], None
+        draft_rows, positions, error = [], list(round_.positions), None
         try:   # outside the turn: the previous round's device work runs meanwhile
-            sources = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s for s in sources]
-            for i, (slot, valid, tail, takes, all_but_two) in enumerate(rows):
-                catchup = list(tail)
-                for source, row in takes:
-                    catchup += sources[source][0][row]   # a prefill's or verify's emitted tokens of that row
-                positions[i] += len(catchup) - len(tail)
-                if all_but_two:
+            tokens = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s.tokens for s in sources]
+            for i, row in enumerate(round_.rows):
+                valid, catchup = row.valid, list(row.tail)
+                for source, source_row in row.takes:
+                    catchup += tokens[source][source_row]   # a prefill's or verify's emitted tokens of that row
+                positions[i] += len(catchup) - len(row.tail)
+                if row.all_but_two:
                     valid, catchup = valid + len(catchup) - 2, catchup[-2:]
-                draft_rows.append(DraftRow(slot, valid, catchup))
+                draft_rows.append(DraftRow(row.slot, valid, catchup))
         except Exception as e:  # noqa: BLE001 - raised in the turn, which is then handed on
             error = e
-        with self._turn(seq):
+        with self._turn(round_.seq):
             if error is not None:
                 raise error
-            if self.bench.get("draft_delay_s"):   # tests: a slow drafter, so that a kill lands while a round is drafted
-                time.sleep(self.bench["draft_delay_s"])
-            self.rounds += 1
-            if self.rounds == self.bench.get("draft_error_at"):   # tests: a round that fails on a live drafter
-                raise RuntimeError(f"draft round {self.rounds} failed (test hook)")
-            if self.rounds == self.bench.get("draft_hang_at"):   # tests: a drafter that hangs without dying
-                time.sleep(3600)
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-                ids, probs = self.drafter.draft(draft_rows, k, seeds, pos_t)
+                ids, probs = self.drafter.draft(draft_rows, round_.k, round_.seeds, pos_t)
                 ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
         ms = timer.ms   # waits for the device (and the copies to the host) here, outside the turn
         return ids, probs, ms
 
-    def _tokens_over_link(self, source: LinkTokens) -> tuple[list[list[int]]]:
+    def _tokens_over_link(self, source: LinkTokens) -> list[list[int]]:
         """A verify's tokens sent over the link -> its emitted tokens per row, as in the verify's own result."""
         link = self._link_of(source.generation)
         if link is None:
             raise ConnectionError(f"no link of generation {source.generation} for verify {source.seq}'s tokens")
         tokens = link.recv((source.rows, source.width), torch.int64, source.seq).tolist()   # [B, w]
-        return ([[t for t in row if t >= 0] for row in tokens],)
+        return [[t for t in row if t >= 0] for row in tokens]
 
     def join_link(self, generation: int, host: str, port: int) -> None:
         """The collective channel: connect to the verifier listening for this drafter's generation."""
@@ -445,14 +486,14 @@ class DrafterWorker(_Worker):
         except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
             pass
 
-    def draft_over(self, round_: LinkRound, *args) -> float:
-        """The collective channel: draft (args as `_draft`) and send the round over the link -> device ms.
-        Should the round fail here, the manager replaces this drafter, and its link's end fails the verify
+    def draft_over(self, key: LinkRound, round_: DraftRound, *sources) -> float:
+        """The collective channel: draft (as `_draft`) and send the round over the link under `key` -> device
+        ms. Should the round fail here, the manager replaces this drafter, and its link's end fails the verify
         waiting for the round: that verify runs without drafts."""
-        ids, probs, ms = self._draft(*args)
-        self.link.send(ids, 2 * round_.key)
+        ids, probs, ms = self._draft(round_, *sources)
+        self.link.send(ids, 2 * key.key)
         if probs is not None:
-            self.link.send(probs.contiguous(), 2 * round_.key + 1)
+            self.link.send(probs.contiguous(), 2 * key.key + 1)
         return ms
 
 
@@ -462,8 +503,8 @@ class SpecWorker(VerifierWorker):
     The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
     from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
-    def __init__(self, config: dict, num_slots: int, bench: dict | None = None):
-        super().__init__(config, num_slots, bench)
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
@@ -472,9 +513,8 @@ class SpecWorker(VerifierWorker):
         self.drafter.prefill(slots, prompts)
         return super()._prefill(slots, prompts, batch, num_logprobs)
 
-    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int):
-        """Draft k tokens for every slot from the slot state, then verify them
-        -> (tokens, logprobs, draft device ms, verify device ms, wall time of the launch, wall time at the end)."""
+    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int) -> VerifierResult:
+        """Draft k tokens for every slot from the slot state, then verify them."""
         state, timers = self.state, {}
 
         def launch():
@@ -487,5 +527,17 @@ class SpecWorker(VerifierWorker):
                 num_drafts = torch.full((len(slots),), ids.shape[1], dtype=torch.int64, device=self.device)
                 staged = self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs).staged()
             return staged, timer
-        tokens, logprobs, t_verify, t_launch, t_end = self._run(seq, launch)
-        return tokens, logprobs, timers["draft"].ms, t_verify, t_launch, t_end
+        result = self._run(seq, launch)
+        return dataclasses.replace(result, draft_ms=timers["draft"].ms)
+
+
+@dataclass(frozen=True)
+class WorkerSet:
+    """The worker classes an engine starts, and extra constructor arguments per role. Serving always uses the
+    default; tests and benchmarks pass subclasses from minedraft_ray.testing.workers (faults, synthetic
+    acceptance, recording), which the HTTP server cannot name."""
+    verifier: type = VerifierWorker
+    drafter: type = DrafterWorker
+    spec: type = SpecWorker
+    verifier_kwargs: dict = field(default_factory=dict)   # for the verifier and the spec worker
+    drafter_kwargs: dict = field(default_factory=dict)

@@ -1,0 +1,96 @@
+"""Starting, restarting and stopping an engine's worker actors (the verifier, and the drafter where it has its
+own GPU) in the engine's placement group, and the draft channel between them."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray.util.placement_group import PlacementGroup
+
+from ..config import EngineConfig
+from .placement import actor_options, create_placement_group
+from .transport import DraftChannel
+from .workers import WorkerSet
+
+log = logging.getLogger("minedraft.runtime")
+
+# an actor start loads weights and captures its CUDA graphs: far longer than any step may take
+START_TIMEOUT_S = 900.0
+
+
+async def wait_for(ref, what: str, timeout_s: float):
+    """A Ray result, or TimeoutError naming what took too long."""
+    async def get():
+        return await ref
+    try:
+        return await asyncio.wait_for(get(), timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
+
+
+class WorkerActors:
+    def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
+                 placement_group: PlacementGroup | None):
+        self.config, self.num_slots, self.channel, self.workers = config, num_slots, channel, workers
+        self.mode = config.mode
+        self.pg, self.own_pg = placement_group, False
+        self.verifier = self.drafter = None
+        self.drafter_seq = 0     # drafter tasks numbered so far (next_drafter_seq)
+        self.info: dict = {}
+        self._verifier_cls, self._drafter_cls, self._spec_cls = channel.actor_classes(workers)
+
+    async def start(self) -> dict:
+        """Both actors up, connected -> {"verifier": info, "drafter": info | None}."""
+        if self.pg is None:
+            self.pg = ray.util.get_current_placement_group()
+        if self.pg is None:
+            self.pg = await asyncio.to_thread(create_placement_group, self.mode)
+            self.own_pg = True
+        # overlap: a threaded verifier; a task waits for its turn in a thread of its own, and the tasks in
+        # flight at once are bounded by the batches' queue depths plus the prefills between them
+        threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
+        cls, role = (self._spec_cls, "spec") if self.mode == "sd" else (self._verifier_cls, "verifier")
+        self.verifier = cls.options(**actor_options(self.pg, self.mode, role), **threads).remote(
+            self.config.model_dump(), self.num_slots, **self.workers.verifier_kwargs)
+        waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
+        if self.mode in ("sd_split", "psd"):
+            self.drafter = self._new_drafter()
+            waits.append(wait_for(self.drafter.ready.remote(), "drafter start", START_TIMEOUT_S))
+        infos = await asyncio.gather(*waits)
+        self.info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
+        if self.drafter is not None:
+            await self.channel.connect(self.drafter, self.verifier, infos[0]["device"])
+        return self.info
+
+    def _new_drafter(self):
+        self.drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
+        threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
+        return self._drafter_cls.options(**actor_options(self.pg, self.mode, "drafter"), **threads).remote(
+            self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
+
+    async def replace_drafter(self) -> dict:
+        """Kill the drafter (if any is left) and start a new one, connected -> its info."""
+        old, self.drafter = self.drafter, None
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.drafter = self._new_drafter()
+        info = await wait_for(self.drafter.ready.remote(), "drafter restart", START_TIMEOUT_S)
+        await self.channel.connect(self.drafter, self.verifier, info["device"])
+        self.info = {**self.info, "drafter": info}
+        return info
+
+    def next_drafter_seq(self) -> int:
+        """Number the next drafter task: the drafter launches its tasks' device work in this order."""
+        self.drafter_seq += 1
+        return self.drafter_seq - 1
+
+    async def shutdown(self) -> None:
+        await self.channel.disconnect()
+        for actor in (self.verifier, self.drafter):
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        if self.own_pg:
+            ray.util.remove_placement_group(self.pg)

@@ -1,0 +1,474 @@
+"""The batch scheduler: which requests run, in which batch, in which regime, and what each verify and draft
+round carries. Pure bookkeeping, no Ray and no asyncio (tests/test_scheduler.py drives it alone, with
+hypothesis): the manager (manager.py) turns its plans into actor calls and feeds the results back.
+
+One psd step, as the manager drives it:
+  1. `schedule(committed)` retires finished and aborted requests, admits waiting ones (a `PrefillPlan`),
+     places them in the smaller batch, restores the balance, and plans the next verify of every batch
+     with room in its chain (`VerifyPlan`), each with the draft round that will follow it (`DraftPlan`).
+  2. The manager submits those in order; the verifier runs them in that order.
+  3. `commit(task)` for the oldest task in flight when its result is back; the manager appends the tokens,
+     streams them, and schedules again.
+
+A request rides at most one verify in flight in psd and sd_split (plus its prefill, when new): the draft round
+behind a verify is built from the verify's own result, so a second verify would draft from a stale state.
+`sd` and `ar` build a step from the verifier's slot state alone, so their chain keeps two in flight.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.kv_cache import SlotAllocator
+from ..engine.request import Request
+from .regime import RegimeChooser
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"        # queued for a slot
+    RUNNING = "running"        # holds a slot, in a batch
+    FINISHED = "finished"      # done (stop, length or abort); its slot is freed once nothing in flight writes it
+
+
+@dataclass(eq=False)
+class RequestState:
+    """The scheduler's view of one request: the engine's Request (tokens, params, stats) plus where it is."""
+    request: Request
+    status: Status = Status.WAITING
+    aborted: bool = False            # the caller gave up; finished at the next retire
+    inflight: int = 0                # verifier tasks in flight that hold it (prefill or verify)
+    prefilling: bool = False         # its prefill is in flight
+    prefill: "PrefillPlan | None" = None   # that prefill, while in flight (a round takes its first token there)
+    prefill_row: int = -1
+    last_seq: int = -1               # task number of the latest task committed for it
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def slot(self) -> int | None:
+        return self.request.slot
+
+    @property
+    def done(self) -> bool:
+        """No more tokens wanted: it stopped, hit its length, or was aborted."""
+        return self.request.finished or self.aborted
+
+
+@dataclass(eq=False)
+class PrefillPlan:
+    """Prefill new requests (prompt KV and first token) on the verifier, and their prompts on the drafter."""
+    seq: int
+    requests: list[RequestState]
+    to_drafter: bool = False         # the drafter prefills the prompts too (psd, sd_split with a drafter up)
+    handle: object = None            # the manager's reference to the result (a draft round may take it)
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One row of a draft round: a request, and where the tokens it ends with come from. Past its committed
+    tokens come the first token of its prefill in flight (`from_prefill`) and the tokens of the verify the
+    round follows (`verify_row`, -1: none). With `all_but_two` the drafter's slot already holds all of the
+    resulting sequence but its last two tokens (after a round that drafted it, or a drafter prefill)."""
+    state: RequestState
+    from_prefill: PrefillPlan | None
+    verify_row: int
+    all_but_two: bool
+
+
+@dataclass(eq=False)
+class DraftPlan:
+    """A draft round: its rows, for one batch's verify (`for_verify`, drafted from committed tokens now) or
+    drafted ahead behind `after` (from that verify's tokens, for the batch's next verify)."""
+    batch: int
+    rows: list[DraftRow]
+    after: "VerifyPlan | None" = None
+    generation: int = 0               # the drafter it goes to (restarts count up)
+    handle: object = None             # the manager's reference to the drafts (or the channel's key)
+    timing: object = None             # the manager's reference to the round's device time
+    built: dict = field(default_factory=dict)   # id(state) -> (row, last_seq when built)
+
+
+@dataclass(eq=False)
+class VerifyPlan:
+    """One verify of batch `batch`: its rows, each with its row in the drafts it takes (-1: none), from the round
+    drafted ahead (`ahead`) and / or a round of its own (`fresh`), in that order."""
+    seq: int
+    batch: int
+    regime: str                       # psd | seq | sd | ar
+    rows: list[RequestState]
+    draft_index: list[int]
+    ahead: DraftPlan | None = None
+    fresh: DraftPlan | None = None
+    next_round: DraftPlan | None = None   # the batch's next round, drafted behind this verify
+    admitted: int = 0
+    low_load: bool = True
+    high_load: str | None = None
+    draft_generation: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return sum(i >= 0 for i in self.draft_index)
+
+
+@dataclass
+class SchedulerConfig:
+    mode: str                         # psd | sd_split | sd | ar
+    max_batch: int
+    max_running: int
+    num_slots: int
+    psd_min_requests: int = 2
+    psd_low_load: str = "seq"         # auto | psd | seq
+    psd_high_load: str = "auto"
+
+
+@dataclass
+class SchedulePlan:
+    """What one `schedule` call decided, in submission order: the prefill first, then the verifies."""
+    finished: list[RequestState] = field(default_factory=list)   # aborted now (retired): tell their callers
+    prefill: PrefillPlan | None = None
+    verifies: list[VerifyPlan] = field(default_factory=list)
+    dropped: list[DraftPlan] = field(default_factory=list)       # rounds drafted ahead that no verify will name
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.mode = config.mode
+        self.slots = SlotAllocator(config.num_slots)
+        self.waiting: deque[RequestState] = deque()
+        self.batches: list[list[RequestState]] = [[], []]   # psd uses both; other modes only batches[0]
+        # verifies queued per chain: sd and ar build a step from the verifier's slot state alone, so one waits
+        # behind the running one; psd and sd_split draft from committed tokens on another actor: one
+        self.depth = 2 if self.mode in ("sd", "ar") else 1
+        self.queued = [0, 0]
+        self.draft_ahead: list[DraftPlan | None] = [None, None]
+        self.drafter_alive = self.mode in ("sd_split", "psd")
+        self.drafter_generation = 0
+        self.steps = 0                      # verify steps recorded (the choosers' clock; the manager counts)
+        self._seq = 0                       # verifier tasks numbered so far
+        # low load: psd or one sequential batch by per-request cadence; high load, once saturated, by the
+        # verifier's time per row, sequential until the split measures cheaper (re-measured rarely: trying the
+        # sequential batch means draining to max_batch first)
+        self.reset_choosers()
+        self.saturated = False
+        self.one_batch = False
+        self.counters = {"moves": 0, "balance_violations": 0, "drafts_ahead_used": 0, "draft_rows_unused": 0}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def arrive(self, state: RequestState) -> None:
+        self.waiting.append(state)
+
+    def abort(self, state: RequestState) -> bool:
+        """Mark it aborted; True when it was waiting and so is finished now (a running one is retired by the
+        next `schedule`, once its slot is no longer written)."""
+        state.aborted = True
+        if state in self.waiting:
+            self.waiting.remove(state)
+            state.status = Status.FINISHED
+            return True
+        return False
+
+    def num_running(self) -> int:
+        return len(self.batches[0]) + len(self.batches[1])
+
+    def demand(self) -> int:
+        return self.num_running() + len(self.waiting)
+
+    def release(self, state: RequestState) -> None:
+        """Free a finished request's slot once no task in flight still writes to it."""
+        if state.status is Status.FINISHED and state.inflight == 0 and state.request.slot is not None:
+            self.slots.free(state.request.slot)
+            state.request.slot = None
+
+    def finish(self, state: RequestState) -> None:
+        state.status = Status.FINISHED
+        self.release(state)
+
+    def fail_all(self) -> list[RequestState]:
+        """The verifier is gone: every request known is finished; -> those not finished before."""
+        states = [s for s in self.waiting if s.status is not Status.FINISHED]
+        states += [s for b in self.batches for s in b if s.status is not Status.FINISHED]
+        self.waiting.clear()
+        self.batches = [[], []]
+        for s in states:
+            s.inflight = 0
+            s.status = Status.FINISHED
+        return states
+
+    # ---- task numbers --------------------------------------------------------------------------
+    def next_seq(self) -> int:
+        """Number the next verifier task: the verifier launches its tasks' device work in this order."""
+        self._seq += 1
+        return self._seq - 1
+
+    @property
+    def tasks_numbered(self) -> int:
+        return self._seq
+
+    def reset_choosers(self) -> None:
+        """Measure both regimes afresh (what either costs depends on k)."""
+        self.chooser = RegimeChooser()
+        self.high_chooser = RegimeChooser(explore_every=2000, explore_steps=12, metric="ms_per_row",
+                                          current="seq", order=("seq", "psd"))
+
+    # ---- regimes -------------------------------------------------------------------------------
+    def high_load(self) -> bool:
+        """More requests want to run than one batch holds."""
+        return self.demand() > self.config.max_batch
+
+    def update_saturation(self) -> None:
+        """Saturated from a demand that fills both batches until one batch holds it again (hysteresis)."""
+        if self.demand() >= 2 * self.config.max_batch:
+            self.saturated = True
+        elif self.demand() <= self.config.max_batch:
+            self.saturated = False
+
+    def low_load_regime(self) -> str:
+        policy = self.config.psd_low_load
+        return self.chooser.choose(self.steps) if policy == "auto" else policy
+
+    def high_load_regime(self) -> str:
+        """psd under a queue: forced by psd_high_load, else sequential (FIFO) until saturated, then measured."""
+        policy = self.config.psd_high_load
+        if policy != "auto":
+            return policy
+        return self.high_chooser.choose(self.steps) if self.saturated else "seq"
+
+    def high_load_choice(self) -> str | None:
+        """The regime a verify planned now runs under a queue, where it was a choice (forced, or measured while
+        the demand fills both batches): what the high-load chooser's samples are filed under."""
+        if self.mode != "psd" or not self.high_load():
+            return None
+        if self.config.psd_high_load == "auto" and (not self.saturated or self.demand() < 2 * self.config.max_batch):
+            return None
+        return self.high_load_regime()
+
+    def sequential(self) -> bool:
+        """psd: run one sequential batch now (everyone fits one batch and the policy or measurements say so)."""
+        if self.num_running() > self.config.max_batch:
+            return False
+        return (self.high_load_regime() if self.high_load() else self.low_load_regime()) == "seq"
+
+    def regime(self, b: int) -> str:
+        if self.mode in ("ar", "sd"):
+            return self.mode
+        if not self.drafter_alive:
+            return "ar"
+        return "psd" if self.mode == "psd" and self.batches[1 - b] else "seq"
+
+    def drafter_down(self) -> bool:
+        """The drafter failed: rounds sent to it are void; -> False when it was already down."""
+        if not self.drafter_alive:
+            return False
+        self.drafter_alive = False
+        self.drafter_generation += 1
+        return True
+
+    def drafter_up(self) -> None:
+        """A new drafter holds no KV: every request catches up from the start."""
+        for s in self.batches[0] + self.batches[1] + list(self.waiting):
+            s.request.draft_valid = 0
+        self.drafter_alive = True
+
+    # ---- membership ----------------------------------------------------------------------------
+    def _retire(self) -> list[RequestState]:
+        """Drop done requests from the batches; -> the aborted ones, finished now."""
+        aborted = []
+        for b, batch in enumerate(self.batches):
+            keep = []
+            for s in batch:
+                if s.request.finished:
+                    continue
+                if s.aborted:
+                    self.finish(s)
+                    aborted.append(s)
+                    continue
+                keep.append(s)
+            self.batches[b] = keep
+        return aborted
+
+    def _admit(self) -> list[RequestState]:
+        new, limit = [], self.config.max_running
+        if self.mode == "psd" and self.drafter_alive and self.high_load() and self.high_load_regime() == "seq":
+            limit = self.config.max_batch   # one sequential batch; the rest wait (and psd drains to it)
+        while self.waiting and self.num_running() + len(new) < limit and self.slots.num_free > 0:
+            s = self.waiting.popleft()
+            s.request.slot = self.slots.alloc()
+            s.request.draft_valid = 0   # the drafter catches up on its first round (or holds the prompt)
+            s.status = Status.RUNNING
+            new.append(s)
+        return new
+
+    def _place(self, new: list[RequestState], committed: int | None) -> None:
+        """New requests join the smaller batch; on a tie, the batch committed now (its next verify goes first)."""
+        for s in new:
+            if self.mode != "psd":
+                self.batches[0].append(s)
+                continue
+            a, b = len(self.batches[0]), len(self.batches[1])
+            if a != b:
+                self.batches[0 if a < b else 1].append(s)
+            else:
+                self.batches[committed if committed is not None else 0].append(s)
+
+    def _rebalance(self) -> None:
+        """psd: keep | |A| - |B| | <= 1 by moving requests to the smaller batch, preferring ones with nothing in
+        flight (one moved out of a verify in flight waits a step). Below psd_min_requests, or when one
+        sequential batch is the regime, everyone goes to one batch."""
+        if self.mode != "psd":
+            return
+        total = self.num_running()
+        if total < self.config.psd_min_requests or self.sequential():
+            self.one_batch = True
+            keep = 0 if len(self.batches[0]) >= len(self.batches[1]) else 1
+            if self.batches[1 - keep]:
+                self.counters["moves"] += len(self.batches[1 - keep])
+                self.batches[keep] += self.batches[1 - keep]
+                self.batches[1 - keep] = []
+            return
+        self.one_batch = False
+        while abs(len(self.batches[0]) - len(self.batches[1])) > 1:
+            big = 0 if len(self.batches[0]) > len(self.batches[1]) else 1
+            batch = self.batches[big]
+            idle = [i for i, s in enumerate(batch) if s.inflight == 0]
+            self.batches[1 - big].append(batch.pop(idle[-1] if idle else -1))
+            self.counters["moves"] += 1
+        if total >= 2 and abs(len(self.batches[0]) - len(self.batches[1])) > 1:
+            self.counters["balance_violations"] += 1
+
+    # ---- plans ---------------------------------------------------------------------------------
+    def schedule(self, committed: int | None) -> SchedulePlan:
+        """Membership changes (retire, admit, place, rebalance) and the next verify of every batch with room in
+        its chain. Runs when batch `committed` has just been committed (None: from idle)."""
+        plan = SchedulePlan(finished=self._retire())
+        self.update_saturation()
+        new = self._admit()
+        if new:
+            # psd and sd_split: the drafter takes the prompts while the verifier prefills them, so their first
+            # round feeds two tokens, not the prompt (the drafter runs its tasks in order: before any round)
+            to_drafter = self.mode in ("psd", "sd_split") and self.drafter_alive
+            plan.prefill = PrefillPlan(self.next_seq(), new, to_drafter)
+            for row, s in enumerate(new):
+                s.inflight, s.prefilling, s.prefill, s.prefill_row = 1, True, plan.prefill, row
+                if to_drafter:
+                    s.request.draft_valid = len(s.request.prompt_ids)
+            self._place(new, committed)
+        self._rebalance()
+        for b in ([committed, 1 - committed] if committed is not None else [0, 1]):
+            admitted = len(new) if b == committed or committed is None else 0
+            while self.queued[b] < self.depth and self.batches[b]:
+                verify = self._plan_verify(b, admitted, plan)
+                if verify is None:
+                    break
+                plan.verifies.append(verify)
+                admitted = 0
+            if not self.batches[b]:
+                self._drop_ahead(b, plan)   # no verify will name its round: its members all left the batch
+        return plan
+
+    def _drop_ahead(self, b: int, plan: SchedulePlan) -> None:
+        ahead, self.draft_ahead[b] = self.draft_ahead[b], None
+        if ahead is not None:
+            self.counters["draft_rows_unused"] += len(ahead.rows)
+            plan.dropped.append(ahead)
+
+    def _plan_verify(self, b: int, admitted: int, plan: SchedulePlan) -> VerifyPlan | None:
+        """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride."""
+        if self.depth > 1:   # everything the step needs is in the verifier's slot state
+            rows = list(self.batches[b])
+        else:   # a request rides when its state is committed, or only its prefill is ahead of it
+            rows = [s for s in self.batches[b] if s.inflight == 0 or (s.inflight == 1 and s.prefilling)]
+        if not rows:
+            return None   # every member is still in flight in the other batch (moved): next commit
+        regime = self.regime(b)
+        ahead = self.draft_ahead[b]
+        if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
+            self._drop_ahead(b, plan)   # for a drafter that died since, or no longer wanted
+            ahead = None
+        self.draft_ahead[b] = None
+        verify = VerifyPlan(self.next_seq(), b, regime, rows, [-1] * len(rows), admitted=admitted,
+                            low_load=not self.high_load(), high_load=self.high_load_choice(),
+                            draft_generation=self.drafter_generation)
+        if regime == "sd":
+            verify.draft_index = list(range(len(rows)))
+        elif regime != "ar":
+            # every rider is drafted, a new one from its prefill's first token, as `sd` drafts it: so a
+            # request is drafted at the same positions in every mode. Riders the round drafted ahead covers
+            # (nothing committed for them since it was built) take its rows; the others (new, or moved here)
+            # a round of their own, drafted now
+            covered = [] if ahead is None else \
+                [s for s in rows if s.inflight == 0 and ahead.built.get(id(s), (0, None))[1] == s.last_seq]
+            if ahead is not None and not covered:
+                self.counters["draft_rows_unused"] += len(ahead.rows)
+                plan.dropped.append(ahead)
+                ahead = None
+            row_of = {id(s): ahead.built[id(s)][0] for s in covered}
+            if ahead is not None:
+                verify.ahead = ahead
+                self.counters["drafts_ahead_used"] += 1
+                self.counters["draft_rows_unused"] += len(ahead.rows) - len(covered)
+            missing = [s for s in rows if id(s) not in row_of]
+            if missing:
+                verify.fresh = DraftPlan(b, [self._fresh_row(s) for s in missing],
+                                         generation=self.drafter_generation)
+                offset = len(ahead.rows) if ahead is not None else 0
+                row_of.update((id(s), offset + i) for i, s in enumerate(missing))
+            verify.draft_index = [row_of[id(s)] for s in rows]
+        for s in rows:
+            s.inflight += 1
+        self.queued[b] += 1
+        if regime in ("psd", "seq") and self.drafter_alive:
+            verify.next_round = self._plan_next_round(b, verify)
+            self.draft_ahead[b] = verify.next_round
+        return verify
+
+    @staticmethod
+    def _fresh_row(s: RequestState) -> DraftRow:
+        """A rider drafted from its committed tokens now (a new one also from its prefill's first token)."""
+        if s.prefilling:
+            return DraftRow(s, s.prefill, -1, s.request.draft_valid >= len(s.request.prompt_ids))
+        return DraftRow(s, None, -1, False)
+
+    def _plan_next_round(self, b: int, verify: VerifyPlan) -> DraftPlan | None:
+        """Batch b's next round, drafted behind `verify` (psd, sd_split): every member whose tasks in flight are
+        at most its prefill and this verify gets a row: its committed tokens plus those tasks' tokens, which
+        the drafter reads from their results. The chain verify -> draft -> verify then runs without waiting
+        for the manager's commit; at the next verify, members not covered get a fresh round."""
+        at_verify = {id(s): row for row, s in enumerate(verify.rows)}
+        rows, built = [], {}
+        for s in self.batches[b]:
+            vrow = at_verify.get(id(s), -1)
+            if s.done or s.inflight != (vrow >= 0) + s.prefilling:
+                continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
+            last = verify.seq if vrow >= 0 else s.prefill.seq if s.prefilling else s.last_seq
+            # the drafter's slot holds every token but the last two of the sequence the row ends with: after
+            # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
+            all_but_two = (vrow >= 0 and verify.draft_index[vrow] >= 0) or \
+                (s.prefilling and s.request.draft_valid >= len(s.request.prompt_ids))
+            built[id(s)] = (len(rows), last)
+            rows.append(DraftRow(s, s.prefill if s.prefilling else None, vrow, all_but_two))
+        if not rows:
+            return None
+        return DraftPlan(b, rows, after=verify, generation=self.drafter_generation, built=built)
+
+    # ---- results -------------------------------------------------------------------------------
+    def commit_prefill(self, prefill: PrefillPlan) -> None:
+        for s in prefill.requests:
+            s.inflight -= 1
+            s.prefilling, s.prefill, s.prefill_row = False, None, -1
+            s.last_seq = prefill.seq
+
+    def commit_verify(self, verify: VerifyPlan) -> None:
+        """verify's result is committed (the manager appended its tokens): its riders are free to ride again."""
+        for s in verify.rows:
+            s.inflight -= 1
+            s.last_seq = verify.seq
+        self.queued[verify.batch] -= 1
+
+    def verify_failed_drafts(self, verify: VerifyPlan) -> None:
+        """verify's drafts failed: it runs without them."""
+        verify.draft_index = [-1] * len(verify.rows)
+        verify.regime = "ar"

@@ -1,0 +1,55 @@
+"""What the manager records per step, and the declared snapshot metrics and info read."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One step, for tests, benchmarks and metrics."""
+    regime: str                      # psd | seq | sd | ar
+    sizes: tuple[int, int]           # batch sizes after the step (psd: A, B)
+    verified: int
+    drafted: int
+    t_draft_ms: float = 0.0
+    t_verify_ms: float = 0.0
+    t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
+    step_ms: float = 0.0
+    host_ms: float = 0.0             # manager time in the step not spent waiting on actors
+    launch_gap_ms: float = 0.0       # verifier: start of this task - end of the previous verify
+    cadence_ms: float | None = None  # end of the batch's previous verify -> end of this one (a request's period)
+    emitted: int = 0
+    accepted: int = 0
+    draft_tokens: int = 0
+    admitted: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ms_per_row(self) -> float:
+        """The verifier's wall time per row advanced, prefills left out (every request is prefilled once in
+        either regime): what psd's high-load choice compares (runtime/regime.py)."""
+        return (self.step_ms - self.t_prefill_ms) / self.verified
+
+
+@dataclass
+class RegimeSteps:
+    """The regimes verify steps ran in at one load (psd's info reports these, not what a chooser would pick)."""
+    steps: Counter = field(default_factory=Counter)
+    last: str | None = None
+
+    def add(self, regime: str) -> None:
+        self.steps[regime] += 1
+        self.last = regime
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state as metrics read it after a step."""
+    k: int
+    waiting: int
+    running: int
+    batch_sizes: tuple[int, int]
+    slots_in_use: int
+    num_slots: int
+    drafter_alive: bool

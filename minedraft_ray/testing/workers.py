@@ -1,0 +1,173 @@
+"""Worker actors for tests and benchmarks only: subclasses of the runtime's workers that inject drafter faults,
+replace rejection sampling by a synthetic acceptance rate, or record what each verify saw.
+
+They reach an engine only through `LLM(..., _workers=...)` (a `WorkerSet`); the HTTP server builds its
+engine from an EngineConfig alone, so no request can turn any of this on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.sampling import noise_uniform
+from ..engine.spec import Verifier
+from ..runtime.workers import DrafterWorker, SpecWorker, VerifierWorker, WorkerSet
+
+# the noise stream of the synthetic acceptance draws (the engine's streams are numbered 1..4, sampling.py)
+PURPOSE_SYNTHETIC = 17
+
+
+# ---- drafter faults ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DrafterFaults:
+    """What a FaultyDrafterWorker does to its draft rounds (numbered from 1, in the order they run)."""
+    delay_s: float = 0.0           # every round sleeps this long first (a kill then lands mid-round)
+    error_at: int | None = None    # this round raises; the actor stays alive
+    hang_at: int | None = None     # this round never returns (sleeps an hour); the actor stays alive
+
+
+class _FaultyDrafter:
+    """The engine's Drafter, with faults before a round's device work (inside the worker's launch turn)."""
+
+    def __init__(self, drafter, faults: DrafterFaults):
+        self._drafter, self.faults, self.rounds = drafter, faults, 0
+
+    def __getattr__(self, name):
+        return getattr(self._drafter, name)
+
+    def draft(self, *args, **kwargs):
+        if self.faults.delay_s:
+            time.sleep(self.faults.delay_s)
+        self.rounds += 1
+        if self.rounds == self.faults.error_at:
+            raise RuntimeError(f"draft round {self.rounds} failed (injected)")
+        if self.rounds == self.faults.hang_at:
+            time.sleep(3600)
+        return self._drafter.draft(*args, **kwargs)
+
+
+class FaultyDrafterWorker(DrafterWorker):
+    def __init__(self, config: dict, num_slots: int, faults: DrafterFaults = DrafterFaults()):
+        super().__init__(config, num_slots)
+        self.drafter = _FaultyDrafter(self.drafter, faults)
+
+
+def faulty_drafter(**faults) -> WorkerSet:
+    """LLM(..., _workers=faulty_drafter(error_at=4)): the drafter's rounds fail as DrafterFaults says."""
+    return WorkerSet(drafter=FaultyDrafterWorker, drafter_kwargs={"faults": DrafterFaults(**faults)})
+
+
+# ---- synthetic acceptance (benchmarks) ---------------------------------------------------------------
+class SyntheticVerifier(Verifier):
+    """Random-weight pairs accept next to nothing, so benchmarks set the acceptance: draft j is accepted while
+    u(seed, position + j) < alpha, then one target (argmax) token follows. The draws are keyed by (request
+    seed, output position), so every mode sees the same ones."""
+
+    def __init__(self, runner, alpha: float):
+        super().__init__(runner)
+        self.alpha = alpha
+
+    def accept(self, logits, draft_ids, num_drafts, batch, positions, draft_probs):
+        k = draft_ids.shape[1]
+        if k == 0:
+            return super().accept(logits, draft_ids, num_drafts, batch, positions, draft_probs)
+        j = torch.arange(k + 1, device=self.device)                                   # [k+1]
+        u = noise_uniform(batch.seed, positions[:, None] + j[:k], PURPOSE_SYNTHETIC)   # [B, k]
+        accepted = ((u < self.alpha) & (j[:k] < num_drafts[:, None])).long().cumprod(1).sum(1)
+        target = logits.argmax(-1)                                                   # [B, k+1]
+        drafts = torch.cat([draft_ids, target[:, -1:]], 1)                           # [B, k+1]
+        tokens = torch.where(j < accepted[:, None], drafts, target)
+        tokens = torch.where(j <= accepted[:, None], tokens, -1)
+        return tokens, accepted + 1
+
+
+class SyntheticVerifierWorker(VerifierWorker):
+    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8):
+        super().__init__(config, num_slots)
+        self.verifier = SyntheticVerifier(self.verifier.runner, acceptance)
+
+    def set_acceptance(self, alpha: float) -> None:
+        self.verifier.alpha = alpha
+
+
+class SyntheticSpecWorker(SpecWorker):
+    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8):
+        super().__init__(config, num_slots)
+        self.verifier = SyntheticVerifier(self.verifier.runner, acceptance)
+
+    def set_acceptance(self, alpha: float) -> None:
+        self.verifier.alpha = alpha
+
+
+def synthetic_acceptance(alpha: float) -> WorkerSet:
+    """LLM(..., _workers=synthetic_acceptance(0.8)): every mode's verifier accepts drafts at rate alpha."""
+    return WorkerSet(verifier=SyntheticVerifierWorker, spec=SyntheticSpecWorker,
+                     verifier_kwargs={"acceptance": alpha})
+
+
+def set_synthetic_acceptance(llm, alpha: float) -> None:
+    """A new alpha for an idle LLM started with synthetic_acceptance (same actors, models and graphs)."""
+    import ray
+
+    def set_alpha(actor):
+        return actor.manager.verifier.set_acceptance.remote(alpha)
+    ray.get(ray.get(llm.manager.__ray_call__.remote(set_alpha)))
+
+
+# ---- recording ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifyRow:
+    """One row of one verify as the verifier saw it."""
+    slot: int
+    position: int              # output position of the row's first emitted token
+    drafts: tuple[int, ...]    # the draft tokens it verified (empty: none)
+    emitted: tuple[int, ...]   # the tokens it emitted
+
+
+class RecordingVerifier(Verifier):
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.rows: list[VerifyRow] = []
+
+    def verify(self, slots, last_tokens, draft_ids, num_drafts, batch, positions, draft_probs=None,
+               num_logprobs=0):
+        result = super().verify(slots, last_tokens, draft_ids, num_drafts, batch, positions, draft_probs,
+                                num_logprobs)
+        emitted = result.num_emitted.tolist()
+        for slot, pos, ids, nd, toks, n in zip(slots.tolist(), positions.tolist(), draft_ids.tolist(),
+                                                num_drafts.tolist(), result.tokens.tolist(), emitted):
+            self.rows.append(VerifyRow(slot, pos, tuple(ids[:nd]), tuple(toks[:n])))
+        return result
+
+
+class RecordingVerifierWorker(VerifierWorker):
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
+        self.verifier = RecordingVerifier(self.verifier.runner)
+
+    def verify_rows(self) -> list[VerifyRow]:
+        return list(self.verifier.rows)
+
+
+class RecordingSpecWorker(SpecWorker):
+    def __init__(self, config: dict, num_slots: int):
+        super().__init__(config, num_slots)
+        self.verifier = RecordingVerifier(self.verifier.runner)
+
+    def verify_rows(self) -> list[VerifyRow]:
+        return list(self.verifier.rows)
+
+
+def recording() -> WorkerSet:
+    """LLM(..., _workers=recording()): the verifier keeps a VerifyRow per row of every verify."""
+    return WorkerSet(verifier=RecordingVerifierWorker, spec=RecordingSpecWorker)
+
+
+def verify_rows(llm) -> list[VerifyRow]:
+    import ray
+
+    def rows(actor):
+        return actor.manager.verifier.verify_rows.remote()
+    return ray.get(ray.get(llm.manager.__ray_call__.remote(rows)))

@@ -1,0 +1,317 @@
+"""The scheduler alone (runtime/scheduler.py), driven by hypothesis: random sequences of arrivals, aborts, EOS,
+stop strings, drafter faults and regime switches, with made-up verifier results, in milliseconds. A small
+driver plays the manager's part (submit plans in order, complete the oldest task, commit its tokens with the
+engine's own `commit_tokens`) and the invariants are checked after every event:
+
+- batch balance: | |A| - |B| | <= 1 while psd splits;
+- at most one verify in flight per request (psd, sd_split; `sd` and `ar` queue two by design);
+- every request finishes exactly once, and all do once the engine drains;
+- no KV slot leaked or shared;
+- each draft round consistent with its batch: a verify's rows are members of its batch, each drafted rider
+  finds itself at its row of the rounds the verify takes, and a round drafted ahead holds members of that
+  batch whose tokens all come from the verify it follows.
+"""
+import ast
+import pathlib
+import subprocess
+import sys
+from collections import deque
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minedraft_ray.engine.engine import commit_tokens
+from minedraft_ray.engine.request import Request
+from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime.scheduler import (PrefillPlan, RequestState, Scheduler, SchedulerConfig, Status,
+                                             VerifyPlan)
+
+EOS = 1
+K = 3
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class Driver:
+    """The manager's part, without actors: plans go into a FIFO in submission order; completing the oldest
+    commits tokens made up from the hypothesis draws."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.inflight: deque = deque()
+        self.finished: dict[str, int] = {}
+        self.states: list[RequestState] = []
+
+    # -- events --
+    def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=not eos)
+        state = RequestState(Request(list(range(2, 2 + prompt_len)), params, (EOS,)))
+        self.states.append(state)
+        self.sched.arrive(state)
+        if not self.inflight:
+            self.schedule(None)
+
+    def abort(self, i: int) -> None:
+        state = self.states[i % len(self.states)] if self.states else None
+        if state is None or state.request.finished:
+            return
+        if self.sched.abort(state):
+            self.finish(state, "abort")
+
+    def drafter_fault(self) -> None:
+        """The drafter died: rounds in flight fail, so their verifies run without drafts (as the manager does)."""
+        if self.sched.drafter_down():
+            for task in self.inflight:
+                if isinstance(task, VerifyPlan) and task.drafted and task.regime != "sd":
+                    self.sched.verify_failed_drafts(task)
+
+    def drafter_back(self) -> None:
+        if not self.sched.drafter_alive and self.sched.mode in ("psd", "sd_split"):
+            self.sched.drafter_up()
+
+    def complete(self, emit) -> None:
+        """The oldest task's result: emit(num_drafts) tokens per row (1 without drafts, 1..k+1 with)."""
+        if not self.inflight:
+            if self.sched.waiting or self.sched.num_running():
+                self.schedule(None)
+            return
+        task = self.inflight.popleft()
+        if isinstance(task, PrefillPlan):
+            self.sched.commit_prefill(task)
+            rows, num_drafts = task.requests, [0] * len(task.requests)
+        else:
+            self.sched.commit_verify(task)
+            rows, num_drafts = task.rows, [K if i >= 0 else 0 for i in task.draft_index]
+        tokens = [emit(nd) for nd in num_drafts]
+        live = []
+        for state, toks, nd in zip(rows, tokens, num_drafts):
+            if state.request.finished:
+                self.sched.release(state)
+            else:
+                live.append((state, toks, nd))
+        if live:
+            commit_tokens([s.request for s, _, _ in live], [t for _, t, _ in live], None, [nd for *_, nd in live])
+            for state, _, _ in live:
+                if state.request.finished:
+                    self.finish(state, None)
+        self.schedule(None if isinstance(task, PrefillPlan) else task.batch)
+
+    def stop_string(self, i: int) -> None:
+        """A stop string is matched on the text, above the engine: the caller aborts the request."""
+        running = [s for b in self.sched.batches for s in b if not s.request.finished]
+        if running:
+            state = running[i % len(running)]
+            if state.request.output_ids:
+                self.abort(self.states.index(state))
+
+    # -- the manager's half of a step --
+    def schedule(self, committed) -> None:
+        plan = self.sched.schedule(committed)
+        for state in plan.finished:
+            self.finish(state, "abort")
+        if plan.prefill is not None:
+            self.inflight.append(plan.prefill)
+        for verify in plan.verifies:
+            check_round_consistency(self.sched, verify)
+            self.inflight.append(verify)
+        check_balance(self.sched)
+
+    def finish(self, state: RequestState, reason) -> None:
+        if reason and not state.request.finished:
+            state.request.finish_reason = reason
+        self.sched.finish(state)
+        assert state.id not in self.finished, f"{state.id} finished twice"
+        self.finished[state.id] = 1
+
+    def drain(self, emit) -> None:
+        for _ in range(10_000):
+            if not (self.inflight or self.sched.waiting or self.sched.num_running()):
+                return
+            self.complete(emit)
+        raise AssertionError("the engine did not drain")
+
+
+# ---- invariants --------------------------------------------------------------------------------------
+def check_balance(sched: Scheduler) -> None:
+    a, b = len(sched.batches[0]), len(sched.batches[1])
+    if sched.mode == "psd" and not sched.one_batch and a + b >= 2:
+        assert abs(a - b) <= 1, (a, b)
+    if sched.mode != "psd":
+        assert b == 0
+
+
+def check_one_verify_per_request(driver: Driver) -> None:
+    if driver.sched.mode not in ("psd", "sd_split"):
+        return
+    seen = set()
+    for task in driver.inflight:
+        if isinstance(task, VerifyPlan):
+            for s in task.rows:
+                assert id(s) not in seen, f"{s.id} rides two verifies in flight"
+                seen.add(id(s))
+
+
+def check_slots(driver: Driver) -> None:
+    sched = driver.sched
+    held = [s.request.slot for s in driver.states if s.request.slot is not None]
+    assert len(held) == len(set(held)), f"a slot is shared: {sorted(held)}"
+    assert len(held) == sched.slots.num_used, f"a slot leaked: {sched.slots.num_used} used, {len(held)} held"
+    for s in driver.states:
+        if s.status is Status.FINISHED and s.inflight == 0:
+            assert s.request.slot is None, f"{s.id} finished and idle but holds slot {s.request.slot}"
+        if s.status is Status.RUNNING:
+            assert s.request.slot is not None
+
+
+def check_round_consistency(sched: Scheduler, verify: VerifyPlan) -> None:
+    batch = {id(s) for s in sched.batches[verify.batch]}
+    assert all(id(s) in batch for s in verify.rows), "a verify carries a request of the other batch"
+    assert len(verify.draft_index) == len(verify.rows)
+    if verify.regime in ("psd", "seq"):   # drafted on the drafter actor (sd drafts inside its step)
+        rounds = [r for r in (verify.ahead, verify.fresh) if r is not None]
+        drafted_rows = [row for r in rounds for row in r.rows]
+        for s, i in zip(verify.rows, verify.draft_index):
+            assert 0 <= i < len(drafted_rows), f"{s.id} has no drafts"
+            assert drafted_rows[i].state is s, f"{s.id} takes another request's drafts"
+    if verify.next_round is not None:
+        for row in verify.next_round.rows:
+            assert id(row.state) in batch, "a round drafted ahead holds a request of the other batch"
+            if row.verify_row >= 0:
+                assert verify.rows[row.verify_row] is row.state
+            # every task in flight for it is the verify this round follows (and its prefill)
+            assert row.state.inflight == (row.verify_row >= 0) + row.state.prefilling
+
+
+def check_all(driver: Driver) -> None:
+    check_one_verify_per_request(driver)
+    check_slots(driver)
+    check_balance(driver.sched)
+
+
+# ---- the property --------------------------------------------------------------------------------------
+ARRIVE = st.tuples(st.just("arrive"), st.integers(1, 6), st.integers(1, 16), st.booleans())
+COMPLETE = st.tuples(st.just("complete"))
+EVENTS = st.one_of(
+    ARRIVE, ARRIVE, ARRIVE, COMPLETE, COMPLETE, COMPLETE, COMPLETE,
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("abort_running"), st.integers(0, 50)),
+    st.tuples(st.just("stop_string"), st.integers(0, 50)),
+    st.tuples(st.just("drafter_fault")),
+    st.tuples(st.just("drafter_back")),
+    st.tuples(st.just("regime"), st.sampled_from(["psd", "seq"]), st.sampled_from(["psd", "seq", "auto"])),
+)
+
+
+def tokens(num_drafts: int):
+    """A verify row's emitted tokens: 1..num_drafts + 1 of them, EOS possible anywhere."""
+    return st.integers(1, num_drafts + 1).flatmap(
+        lambda n: st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=n, max_size=n))
+
+
+def make_scheduler(mode: str, max_batch: int, min_requests: int) -> Scheduler:
+    max_running = 2 * max_batch if mode == "psd" else max_batch
+    sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd"))
+    sched.drafter_alive = mode in ("psd", "sd_split")
+    return sched
+
+
+def run_events(mode, max_batch, min_requests, events, data):
+    driver = Driver(make_scheduler(mode, max_batch, min_requests))
+
+    def emit(num_drafts):
+        return data.draw(tokens(num_drafts))
+    for event in events:
+        kind, *args = event
+        if kind == "arrive":
+            driver.arrive(*args)
+        elif kind == "complete":
+            driver.complete(emit)
+        elif kind == "abort":
+            driver.abort(args[0])
+        elif kind == "abort_running":
+            running = [s for b in driver.sched.batches for s in b if not s.request.finished]
+            if running:
+                driver.abort(driver.states.index(running[args[0] % len(running)]))
+        elif kind == "stop_string":
+            driver.stop_string(args[0])
+        elif kind == "drafter_fault":
+            driver.drafter_fault()
+        elif kind == "drafter_back":
+            driver.drafter_back()
+        elif kind == "regime":
+            driver.sched.config.psd_low_load, driver.sched.config.psd_high_load = args
+        check_all(driver)
+    driver.drafter_back()
+    driver.drain(emit)
+    check_all(driver)
+    # every request finished exactly once (finish asserts the once), and nothing is held
+    assert set(driver.finished) == {s.id for s in driver.states}
+    assert driver.sched.slots.num_used == 0
+    assert not driver.inflight and driver.sched.queued == [0, 0]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3),
+       events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
+def test_psd_invariants_hold_through_random_events(max_batch, min_requests, events, data):
+    run_events("psd", max_batch, min_requests, events, data)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
+       events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
+def test_single_chain_invariants_hold_through_random_events(mode, max_batch, events, data):
+    run_events(mode, max_batch, 2, events, data)
+
+
+def test_psd_splits_and_rebalances_a_burst():
+    """A plain run: psd with the split forced holds 2 x max_batch, in two batches that stay balanced as
+    requests of different lengths finish, and every request is drafted in every verify it rides."""
+    sched = make_scheduler("psd", 3, 2)
+    driver = Driver(sched)
+    for n in range(10):
+        driver.arrive(3, 2 + 3 * n % 11, False)
+    splits = 0
+    for _ in range(400):
+        if not (driver.inflight or sched.waiting or sched.num_running()):
+            break
+        driver.complete(lambda num_drafts: [7] * (num_drafts + 1))   # every draft accepted
+        check_all(driver)
+        splits += not sched.one_batch and all(sched.batches)
+    assert splits > 0 and len(driver.finished) == 10 and sched.slots.num_used == 0
+
+
+# ---- purity ----------------------------------------------------------------------------------------------
+def _project_imports(module: pathlib.Path, seen: set) -> set:
+    """Top-level module names imported by `module` and the project modules it imports, transitively."""
+    if module in seen:
+        return set()
+    seen.add(module)
+    names = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: follow it inside the project
+                base = module.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+                target = base.joinpath(*(node.module or "").split("."))
+                for path in (target.with_suffix(".py"), target / "__init__.py"):
+                    if path.exists() and path.name != "__init__.py":
+                        names |= _project_imports(path, seen)
+            else:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_scheduler_imports_neither_ray_nor_asyncio():
+    imports = _project_imports(ROOT / "minedraft_ray/runtime/scheduler.py", set())
+    assert "ray" not in imports and "asyncio" not in imports, imports
+    # and at run time: the module loads without Ray (the runtime package's __init__ left out)
+    code = ("import sys, types, pathlib, minedraft_ray\n"
+            "pkg = types.ModuleType('minedraft_ray.runtime')\n"
+            "pkg.__path__ = [str(pathlib.Path(minedraft_ray.__file__).parent / 'runtime')]\n"
+            "sys.modules['minedraft_ray.runtime'] = pkg\n"
+            "import minedraft_ray.runtime.scheduler\n"
+            "assert 'ray' not in sys.modules, 'ray was imported'\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
