@@ -530,7 +530,9 @@ def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, t
             assert all(g >= 0.6 * interval_ms / 1e3 for g in gaps), gaps   # merged (steps are ~10 ms here)
             assert len(items) < steps
         else:
-            assert len(items) >= steps - 1    # one output per step
+            # no time-based merging: outputs go as they come, but a consumer that falls behind (a loaded machine)
+            # gets what queued up for it in one item, so "one per step" is an upper bound, not a count
+            assert 1 < len(items) <= steps + 1
     finally:
         llm.shutdown()
 
