@@ -72,8 +72,8 @@ class EngineConfig(BaseModel):
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
     psd_low_load: Literal["auto", "psd", "seq"] = Field(
         "seq", description="psd at loads one batch holds (<= max_batch running): one sequential batch (seq, "
-        "the default: on 2x H200 the split never had a clearly shorter per-request cadence there, and trying it "
-        "cost 3-9 % latency against sd_split, docs/design.md), the split (psd), or measure both (auto)")
+        "the default: the split did not shorten the per-request cadence there, docs/design.md), the split (psd), "
+        "or measure both (auto)")
     psd_high_load: Literal["auto", "psd", "seq"] = Field(
         "auto", description="psd when more requests want to run than one batch holds: split them into two "
         "batches (up to 2x max_batch running), or keep one sequential batch and queue the rest (seq); auto "

@@ -1,8 +1,7 @@
 """The overlapped verifier's copies (GPU only): a host-to-device copy from pinned memory is queued without
 waiting for work queued before it, and results staged to pinned host memory read correctly once the stream
 passes. (A test that a small copy from pageable memory *does* wait, the suspected reason the first two
-overlap attempts launched late, failed on the H200 with torch 2.11 / CUDA 13 and was removed: that
-suspicion is refuted, logs/cuda_tests_gpu_0dfaed3.log.)"""
+overlap attempts launched late, failed on the GPU and was removed: that suspicion is refuted.)"""
 import time
 
 import pytest
