@@ -161,7 +161,8 @@ class _CommonRequest(_Strict):
 
     def _fields(self) -> dict[str, Any]:
         """Every field the client sent, declared or not, with its value."""
-        sent = {name: getattr(self, name) for name in self.model_fields_set}
+        # in the order the fields are declared: the first unsupported one named in an error is the same every time
+        sent = {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}
         return {**sent, **(self.model_extra or {})}
 
     def unsupported(self) -> list[str]:
