@@ -268,10 +268,8 @@ class StreamWatch(threading.Thread):
         return [b - a for a, b in zip(self.times, self.times[1:]) if b >= t0 and a <= t1]
 
 
-@pytest.mark.parametrize("size", [DEFAULT_BODY_LIMIT - 1000, 10_000_000], ids=["just-under-the-default-limit", "10MB"])
-def test_a_big_body_does_not_stall_running_streams(url, size):
-    """A body just under the default limit, and a 10 MB one (this app's limit is raised), cost a running
-    stream <= 100 ms."""
+def stall_by_a_big_body(url: str, size: int) -> float:
+    """Seconds a running stream's gap grows by (over its typical gap) while a body of `size` bytes is answered."""
     watch = StreamWatch(url)
     watch.start()
     assert watch.started.wait(60)
@@ -289,10 +287,24 @@ def test_a_big_body_does_not_stall_running_streams(url, size):
     watch.join(60)
     assert watch.times[-1] > t1, "the stream ended before the big body was answered"
     during = watch.gaps_within(t0, t1)
+    assert during
     typical = baseline[len(baseline) // 2]
     print(f"{size} B body answered in {t1 - t0:.2f} s; stream gaps meanwhile: max {max(during) * 1000:.0f} ms "
           f"(typical {typical * 1000:.0f} ms)")
-    assert during and max(during) - typical <= 0.1
+    return max(during) - typical
+
+
+@pytest.mark.parametrize("size", [DEFAULT_BODY_LIMIT - 1000, 10_000_000], ids=["just-under-the-default-limit", "10MB"])
+def test_a_big_body_does_not_stall_running_streams(url, size):
+    """A body just under the default limit, and a 10 MB one (this app's limit is raised), cost a running
+    stream <= 100 ms. Best of three: under `make test` another worker shares the two cores and can add a stall
+    of its own; a body tokenized on the event loop stalls the stream every time."""
+    stalls = []
+    for _ in range(3):
+        stalls.append(stall_by_a_big_body(url, size))
+        if stalls[-1] <= 0.1:
+            return
+    pytest.fail(f"every try stalled the running stream by more than 100 ms: {stalls}")
 
 
 # ---------------------------------------------------------------- clean failures: 429, Serve's own 503
