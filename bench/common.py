@@ -136,3 +136,13 @@ def write_results(rows: list[dict], out_dir: str | Path, name: str, columns: lis
     except ImportError:  # no matplotlib (the GPU machine): python -m bench.plot later
         pass
     return path
+
+
+def merge_by_config(old: list[dict], new: list[dict], config: tuple[str, ...]) -> list[dict]:
+    """old's rows, each replaced by a new row of the same configuration (its values of `config`), then new's
+    other rows."""
+    def key(row):
+        return tuple(row.get(c) for c in config)
+    fresh = {key(r): r for r in new}
+    kept = [fresh.pop(key(r), r) for r in old]
+    return kept + list(fresh.values())

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import command_line, device_name, fmt, git_sha, markdown_table, progress, say
+from bench.common import (command_line, device_name, fmt, git_sha, markdown_table, merge_by_config, progress,
+                          say)
 
 NAME = "psd_vs_sd"
 COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_gpus", "tokens_per_s",
@@ -319,15 +320,8 @@ def make_row(spec: Spec, m: int, workload: str, metrics: dict, work: Workload, m
             **metrics, **steady, **extra}
 
 
-def config_of(row: dict) -> tuple:
-    return tuple(row.get(c) for c in CONFIG)
-
-
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    """old's rows, each replaced by a new row of the same configuration, then new's other rows."""
-    fresh = {config_of(r): r for r in new}
-    kept = [fresh.pop(config_of(r), r) for r in old]
-    return kept + list(fresh.values())
+    return merge_by_config(old, new, CONFIG)
 
 
 def read_rows(path: Path) -> list[dict]:

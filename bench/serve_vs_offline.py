@@ -258,14 +258,10 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
 
 
 # ---- results ------------------------------------------------------------------------------------------
-def config_of(row: dict) -> tuple:
-    return tuple(row.get(c) for c in CONFIG)
-
-
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    fresh = {config_of(r): r for r in new}
-    kept = [fresh.pop(config_of(r), r) for r in old]
-    return kept + list(fresh.values())
+    from bench.common import merge_by_config
+
+    return merge_by_config(old, new, CONFIG)
 
 
 def result_name(device: str) -> str:
