@@ -230,7 +230,8 @@ PLOTS = {
     "prefill_longtail": bar_plot(lambda r: r["path"], "tokens_per_s", "prompt tokens/s",
                                  "Prefill of long-tailed prompts: packed vs padded"),
     "psd_vs_sd": plot_psd_vs_sd,
-    "runtime_parity": bar_plot(lambda r: f"{r['mode']} m={r['m']}" + (f" k={r['k']}" if r["k"] else ""),
+    "runtime_parity": bar_plot(lambda r: f"{r['mode']} m={r['m']}" + (f" k={r['k']}" if r["k"] else "")
+                               + f" {r.get('repeat') or ''}",
                                "change_over_parent", "tok/s, change / parent",
                                "The runtime change against its parent (same call)"),
     "engine_speed": plot_engine_speed,
