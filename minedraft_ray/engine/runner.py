@@ -231,6 +231,7 @@ class ModelRunner:
             for tokens in reversed(self.packed_buckets):
                 if tokens not in self._packed_graphs:
                     self._packed_graphs[tokens] = self._capture_packed(tokens)
+            self._warm_eager_packed()
         else:
             for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
                 if shape not in self._prefill_graphs:
@@ -239,6 +240,18 @@ class ModelRunner:
             for bucket in reversed(self.buckets):
                 if (bucket, q) not in self._graphs:
                     self._graphs[(bucket, q)] = self._capture(bucket, q)
+
+    def _warm_eager_packed(self) -> None:
+        """Launches above the largest bucket run eagerly; Triton compiles a kernel per divisibility of the token
+        count by 16 on first use, so run one of each now rather than inside the first long prefill."""
+        largest = max(self.packed_buckets, default=0)
+        for tokens in (largest + 16, largest + 17):
+            if tokens > self.max_prefill_tokens:
+                break
+            zeros = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+            # every token at position 0 of the scratch slot, whose length stays 0: it sees only itself
+            self.model.forward_packed(zeros, self.cache, torch.full_like(zeros, self.scratch_slot), zeros)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def extend(self, slots: list[int], token_lists: list[list[int]], packed: bool | None = None) -> torch.Tensor:
