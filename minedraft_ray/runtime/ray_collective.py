@@ -185,17 +185,17 @@ class ChannelEnd:
             raise RuntimeError("the ray_collective channel on GPUs needs Ray's NCCL backend, which needs cupy "
                                "(pip install cupy-cuda12x)")
         end = cls(spec, rank, timeout_s)
-        for name in sorted((end._out, end._in)):   # the same order at both ends: gloo connects here
-            PairGlooGroup.connect_timeout_s[name] = timeout_s
-            collective.init_collective_group(2, rank, spec.backend, name)
-        for target, what in ((end._send_loop, "send"), (end._recv_loop, "recv")):
-            threading.Thread(target=target, daemon=True, name=f"draft-channel-{what}-{spec.generation}").start()
-        # NCCL builds a group's communicator at its first message: before any round waits on it
-        end.send(torch.zeros(1, dtype=torch.int64), HELLO)
         try:
+            for name in sorted((end._out, end._in)):   # the same order at both ends: gloo connects here
+                PairGlooGroup.connect_timeout_s[name] = timeout_s
+                collective.init_collective_group(2, rank, spec.backend, name)
+            for target, what in ((end._send_loop, "send"), (end._recv_loop, "recv")):
+                threading.Thread(target=target, daemon=True, name=f"draft-channel-{what}-{spec.generation}").start()
+            # NCCL builds a group's communicator at its first message: before any round waits on it
+            end.send(torch.zeros(1, dtype=torch.int64), HELLO)
             end.recv((1,), torch.int64, HELLO)
         except Exception:
-            end.close("the peer did not answer")
+            end.close("the channel did not open")   # whatever was created goes
             raise
         if rank == cls.VERIFIER and spec.backend == GLOO_PAIR:   # both ends are connected: the addresses can go
             for name in (end._out, end._in):
