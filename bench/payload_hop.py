@@ -184,7 +184,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(r, flush=True)
     write_results(rows, args.out, "payload_hop_" + ("gpu" if gpu else "cpu"),
-                  ["route", "container", "probs_width", "rows", "k", "drafts_on", "trips", "hop_ms", "hop_p90_ms", "round_trip_ms",
+                  ["route", "container", "probs_width", "rows", "k", "drafts_on", "trips", "hop_ms", "hop_p90_ms",
+                   "round_trip_ms",
                    "git_sha", "device"],
                   "A draft's trip to the verifier", command_line("bench.payload_hop"), device,
                   ["hop_ms: median from the end of the drafter's task (link: its send) to the start of the verifier's "
@@ -193,10 +194,10 @@ def main(argv=None) -> None:
                    "it includes a 2 ms pause before the send",
                    "owner: the verify takes the drafts by reference from the task's submitter (the object_store "
                    "channel); direct: the drafter submits the verify itself; link: the collective channel's gloo link, "
-                   "the verify already waiting on it; ray_collective: that channel's ends (NCCL on GPUs, gloo on CPUs), "
-                   "the verify already waiting",
-                   "drafts_on: where the drafts start and end; cuda: the link's hop includes the copies to the host and "
-                   "back, ray_collective's none",
+                   "the verify already waiting on it; ray_collective: that channel's ends (NCCL on GPUs, gloo on "
+                   "CPUs), the verify already waiting",
+                   "drafts_on: where the drafts start and end; cuda: the link's hop includes the copies to the host "
+                   "and back, ray_collective's none",
                    "probs_width: q's last dimension when probabilistic drafting's q travels with the ids (0: ids "
                    "only); the vocabulary is dense q, 2 x top_k the packed top_k (prob, id) pairs"])
     for actor in (verifier, drafter):

@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                             new.append(make_row(spec, args.m, "online", metrics, work, models, context,
                                                 rate_rps=load * capacity, load=load, duration_s=args.online_s, **ready))
                     for row in new:
-                        say(f"{row['mode']} {row['transport']} {row['workload']} m={row['m']} b={row['batch']} k={row['k']} "
+                        say(f"{row['mode']} {row['transport']} {row['workload']} m={row['m']} b={row['batch']} "
+                            f"k={row['k']} "
                             f"alpha={row['alpha']} load={row.get('load')}: {fmt(row['tokens_per_s'])} tok/s, step "
                             f"{fmt(row.get('step_ms'))} ms, busy {fmt(row.get('verifier_busy'))}, overhead "
                             f"{fmt(row.get('ray_overhead_ms'))} ms, p99 {fmt(row.get('lat_p99_s'))} s")

@@ -79,7 +79,8 @@ SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 
 @pytest.mark.parametrize("mode, transport, drafting", [
     ("ar", "object_store", {}), ("sd", "object_store", {}), ("sd_split", "object_store", {}),
     ("psd", "object_store", {}), ("sd_split", "collective", {}), ("psd", "collective", {}),
-    ("psd", "collective", SAMPLED_DRAFTS), ("sd_split", "ray_collective", {}), ("psd", "ray_collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
+    ("psd", "collective", SAMPLED_DRAFTS), ("sd_split", "ray_collective", {}),
+    ("psd", "ray_collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
                                             if isinstance(v, dict) else None)
 def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport, drafting):
     # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked;
