@@ -7,12 +7,13 @@ import time
 
 import ray
 
-from minedraft_ray.runtime.ray_collective import GLOO_PAIR, ChannelEnd, ChannelSpec
+from minedraft_ray.runtime.ray_collective import CONCURRENCY_GROUP, GLOO_PAIR, ChannelEnd, ChannelSpec
+from minedraft_ray.runtime.transport import RayCollectiveChannel
 from minedraft_ray.testing.channel import TIMEOUT_S, End
 
 
 def _pair(ray_cluster, name, generation=1, verifier=None):
-    actor = ray.remote(concurrency_groups={"channel": 1})(End)
+    actor = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(End)
     verifier = verifier or actor.remote()
     drafter = actor.remote()
     spec = ChannelSpec(name, generation, GLOO_PAIR)
@@ -60,7 +61,9 @@ def test_close_releases_a_waiting_receive_at_once(ray_cluster):
         # manager's word closes the end, from the actor's other thread, and the waiting receive fails at once
         waiting = verifier.recv.remote((2, 3), 1)
         time.sleep(0.5)
-        ray.get(verifier.close.options(concurrency_group="channel").remote(1))
+        channel = RayCollectiveChannel()
+        channel.generation = 1
+        channel.drafter_gone(verifier)   # the manager's call once Ray reports the drafter dead or replaced
         error, waited = ray.get(waiting, timeout=10)
         assert "ConnectionError" in error and waited < 5, (error, waited)
     finally:
@@ -88,7 +91,7 @@ def test_a_dead_peer_fails_a_waiting_receive_and_a_restarted_one_gets_a_new_chan
 
 def test_a_receive_from_a_silent_peer_gives_up_after_the_timeout(ray_cluster):
     silent_s = 2.0
-    actor = ray.remote(concurrency_groups={"channel": 1})(End)
+    actor = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(End)
     verifier, drafter = actor.remote(), actor.remote()
     spec = ChannelSpec("test-timeout", 1, GLOO_PAIR)
     try:

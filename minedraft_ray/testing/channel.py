@@ -1,5 +1,5 @@
-"""A channel end in an actor of its own, for tests and benchmarks of runtime/ray_collective.py: the actor holds
-one end as a worker does, and exposes its interface as Ray calls."""
+"""A channel end in an actor of its own, for the tests of runtime/ray_collective.py: the actor holds one end as a
+worker does (its `link`), and exposes its interface as Ray calls."""
 from __future__ import annotations
 
 import time
@@ -35,10 +35,6 @@ class End:
 
     def in_flight(self):
         return self.link.in_flight
-
-    def close(self, generation):
-        if self.link.generation == generation:
-            self.link.close("closed by the test")
 
     def default_group_initialized(self):
         import torch.distributed as dist
