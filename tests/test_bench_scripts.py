@@ -1,6 +1,7 @@
 """The GPU-only bench scripts run end to end in their --smoke form on the CPU (tiny shapes), so they do not
 rot between GPU sessions: GEMM layout sweep, graphed vs eager prefill (each writes its parquet, md and png),
-and the drafter-kill drill (in the session's Ray cluster, 2 fake GPUs)."""
+the drafter-kill drill, the payload hop over every route, and psd_vs_sd comparing two draft channels in one
+call (the last three in the session's Ray cluster, 2 fake GPUs)."""
 import json
 import os
 import subprocess
