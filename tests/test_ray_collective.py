@@ -2,7 +2,8 @@
 cluster, over Ray's collective API with the CPU backend: messages filed by tag whatever order they are taken in,
 sends that never block, drains, a waiting receive released at once by close (what the manager does when Ray
 reports the drafter dead: NCCL would not notice) and bounded by the timeout, a dead peer seen at once, a new
-generation with a restarted peer, and nothing on torch.distributed's default group or on a wildcard address."""
+generation with a restarted peer beside another user of torch.distributed's default group, which the channel never
+touches, and nothing listening on a wildcard address."""
 import time
 
 import ray
@@ -79,11 +80,14 @@ def test_a_dead_peer_fails_a_waiting_receive_and_a_restarted_one_gets_a_new_chan
         ray.kill(drafter)
         error, waited = ray.get(waiting, timeout=15)
         assert "ConnectionError" in error and waited < TIMEOUT_S / 2, (error, waited)
+        assert not ray.get(verifier.default_group_initialized.remote())
+        # meanwhile another torch.distributed user of the verifier's process takes the default group
+        assert ray.get(verifier.use_default_group.remote()) == 1
         # the verifier (same process) and a new drafter: generation 2 over new groups
         _, drafter = _pair(ray_cluster, "test-restart-2", generation=2, verifier=verifier)
         ray.get(drafter.send.remote([[4, 5, 6]] * 2, 1))
         assert ray.get(verifier.recv.remote((2, 3), 1))[0] == [[4, 5, 6]] * 2
-        assert not ray.get(verifier.default_group_initialized.remote())
+        assert ray.get(verifier.use_default_group.remote()) == 1   # and both keep working
     finally:
         for actor in (verifier, drafter):
             ray.kill(actor)

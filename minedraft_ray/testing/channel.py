@@ -40,6 +40,16 @@ class End:
         import torch.distributed as dist
         return dist.is_initialized()
 
+    def use_default_group(self) -> int:
+        """Another torch.distributed user of this process (a tensor-parallel group, say) takes the default group
+        (one rank, an in-process store) -> its all-reduce of 1."""
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        return int(one.item())
+
     def wildcard_listeners(self):
         """TCP sockets of this process listening on 0.0.0.0 or ::."""
         import os
