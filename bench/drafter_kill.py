@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--out", default=None)
-    p.add_argument("--transport", default="auto", choices=["auto", "object_store", "collective"])
+    p.add_argument("--transport", default="auto", choices=["auto", "object_store", "collective", "ray_collective"])
     p.add_argument("--fake-gpus", action="store_true", help="CPU: 2 logical GPUs for the placement group")
     args = p.parse_args(argv)
     init_local_ray(**({"num_gpus": 2, "num_cpus": 4} if args.fake_gpus else {}))

@@ -50,7 +50,7 @@ STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", 
 INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
         "steady_steps"}
 # what a row measured: rows of equal configuration replace one another
-CONFIG = ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load", "acceptance")
+CONFIG = ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load", "acceptance", "transport")
 TABLE = ["mode", "m", "batch", "k", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
          "tokens_per_s_per_gpu", "lat_p50_s", "lat_p99_s", "t_draft_ms", "t_verify_ms", "step_ms", "verifier_busy",
          "ray_overhead_ms", "acceptance_length", "transport", "git_sha"]
@@ -415,6 +415,9 @@ def model_pair(args, work_dir: Path) -> tuple[str, str]:
     return args.target, args.draft
 
 
+TRANSPORTS = ("auto", "object_store", "collective", "ray_collective")
+
+
 def parse(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=sorted(GPUS_PER_REPLICA), required=True)
@@ -435,7 +438,8 @@ def parse(argv: list[str]):
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of synthetic rows")
     p.add_argument("--target", default="random:llama-8b")
     p.add_argument("--draft", default="random:llama-1b")
-    p.add_argument("--transport", choices=["auto", "object_store", "collective"], default="auto")
+    p.add_argument("--transport", default="auto", help="draft channel(s), comma-separated, of " + ", ".join(TRANSPORTS)
+                   + "; several run the whole grid once each (a fresh engine per channel)")
     p.add_argument("--verifier-overlap", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--psd-high-load", choices=["auto", "psd", "seq"], default="auto")
     p.add_argument("--out", default=None, help="folder of psd_vs_sd.{parquet,md,png} (default bench/results; "
@@ -444,6 +448,8 @@ def parse(argv: list[str]):
     args = p.parse_args(argv)
     if args.online_only and not (args.loads and args.capacity):
         p.error("--online-only needs --loads and --capacity")
+    if unknown := set(args.transport.split(",")) - set(TRANSPORTS):
+        p.error(f"unknown --transport {sorted(unknown)}; expected of {TRANSPORTS}")
     return args
 
 
@@ -464,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         engine |= {"torch_threads": 1, "device": "cpu"}
     out = Path(args.out or ("/tmp/psd_vs_sd_smoke" if args.smoke else "bench/results"))
     context = {"git_sha": git_sha(), "command": command_line("bench.psd_vs_sd", argv), "device": machine_name(args.smoke),
-               "transport": args.transport if args.transport != "auto" else default_transport(on_gpu=not args.smoke),
                "verifier_overlap": args.verifier_overlap if args.verifier_overlap != "auto"
                else "off" if args.smoke else "on", "psd_high_load": args.psd_high_load}
     rows = read_rows(out / f"{NAME}.parquet")
@@ -482,41 +487,47 @@ def main(argv: list[str] | None = None) -> int:
         ks = [0] if args.mode == "ar" else [int(x) for x in args.ks.split(",")]
         alphas = [None] if real or args.mode == "ar" else [float(x) for x in args.alphas.split(",")]
         batch = args.batch or args.m
-        for alpha in alphas:
-            for k in ks:
-                spec = Spec(args.mode, batch, k, alpha, args.replicas, args.acceptance)
-                t0 = time.perf_counter()
-                if llms and hasattr(llms[0], "reconfigure"):  # same actors, models and graphs: a new k and alpha
-                    for llm in llms:
-                        llm.reconfigure(k=max(k, 1))
-                        if synthetic(spec):
-                            from minedraft_ray.testing.workers import set_synthetic_acceptance
-                            set_synthetic_acceptance(llm, spec.alpha)
-                else:
-                    shutdown(llms)
-                    llms = build(spec, target, draft, work, engine)
-                warm_up(llms, spec, prompts, work)
-                ready = {"build_s": time.perf_counter() - t0}
-                new = []
-                if not args.online_only:
-                    metrics = run_closed(llms, args.waves * 2 * args.m, prompts, work)
-                    new.append(make_row(spec, args.m, "closed", metrics, work, models, context, **ready))
-                if args.loads:
-                    capacity = args.capacity or new[0]["n_requests"] / new[0]["run_s"]
-                    for load in (float(x) for x in args.loads.split(",")):
-                        arrivals = poisson_arrivals(load * capacity, args.online_s, seed=round(load * 1000))
-                        drain = 10.0 if args.smoke else min(30.0, max(5.0, args.online_s / 2))
-                        metrics = asyncio.run(run_online(llms, arrivals, prompts, work, f"{spec.label} {load:.0%}",
-                                                         drain))
-                        new.append(make_row(spec, args.m, "online", metrics, work, models, context,
-                                            rate_rps=load * capacity, load=load, duration_s=args.online_s, **ready))
-                for row in new:
-                    say(f"{row['mode']} {row['workload']} m={row['m']} b={row['batch']} k={row['k']} "
-                        f"alpha={row['alpha']} load={row.get('load')}: {fmt(row['tokens_per_s'])} tok/s, step "
-                        f"{fmt(row.get('step_ms'))} ms, busy {fmt(row.get('verifier_busy'))}, overhead "
-                        f"{fmt(row.get('ray_overhead_ms'))} ms, p99 {fmt(row.get('lat_p99_s'))} s")
-                rows = merge(rows, new)
-                write(out, rows)  # after every configuration: a device call cut short keeps what it measured
+        for transport in args.transport.split(","):
+            shutdown(llms)   # a fresh engine for each channel
+            llms = []
+            engine["transport"] = transport
+            context["transport"] = transport if transport != "auto" else default_transport(on_gpu=not args.smoke)
+            for alpha in alphas:
+                for k in ks:
+                    spec = Spec(args.mode, batch, k, alpha, args.replicas, args.acceptance)
+                    t0 = time.perf_counter()
+                    if llms and hasattr(llms[0], "reconfigure"):  # same actors, models and graphs: a new k and alpha
+                        for llm in llms:
+                            llm.reconfigure(k=max(k, 1))
+                            if synthetic(spec):
+                                from minedraft_ray.testing.workers import set_synthetic_acceptance
+                                set_synthetic_acceptance(llm, spec.alpha)
+                    else:
+                        shutdown(llms)
+                        llms = build(spec, target, draft, work, engine)
+                    warm_up(llms, spec, prompts, work)
+                    ready = {"build_s": time.perf_counter() - t0}
+                    new = []
+                    if not args.online_only:
+                        metrics = run_closed(llms, args.waves * 2 * args.m, prompts, work)
+                        new.append(make_row(spec, args.m, "closed", metrics, work, models, context, **ready))
+                    if args.loads:
+                        capacity = args.capacity or new[0]["n_requests"] / new[0]["run_s"]
+                        for load in (float(x) for x in args.loads.split(",")):
+                            arrivals = poisson_arrivals(load * capacity, args.online_s, seed=round(load * 1000))
+                            drain = 10.0 if args.smoke else min(30.0, max(5.0, args.online_s / 2))
+                            metrics = asyncio.run(run_online(llms, arrivals, prompts, work, f"{spec.label} {load:.0%}",
+                                                             drain))
+                            new.append(make_row(spec, args.m, "online", metrics, work, models, context,
+                                                rate_rps=load * capacity, load=load, duration_s=args.online_s, **ready))
+                    for row in new:
+                        say(f"{row['mode']} {row['transport']} {row['workload']} m={row['m']} b={row['batch']} "
+                            f"k={row['k']} "
+                            f"alpha={row['alpha']} load={row.get('load')}: {fmt(row['tokens_per_s'])} tok/s, step "
+                            f"{fmt(row.get('step_ms'))} ms, busy {fmt(row.get('verifier_busy'))}, overhead "
+                            f"{fmt(row.get('ray_overhead_ms'))} ms, p99 {fmt(row.get('lat_p99_s'))} s")
+                    rows = merge(rows, new)
+                    write(out, rows)  # after every configuration: a device call cut short keeps what it measured
     finally:
         shutdown(llms)
         if own_ray:

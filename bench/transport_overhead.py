@@ -1,6 +1,8 @@
 """Per-step Ray overhead of each draft channel: step wall time - max(t_draft, t_verify), psd mode.
 
     python -m bench.transport_overhead [--target random:tiny --draft random:tiny] [--steps 300]
+    python -m bench.transport_overhead --target random:llama-8b --draft random:llama-1b \
+        --transports collective,ray_collective
 
 On a GPU machine pass `random:llama-8b` / `random:llama-1b`. Writes bench/results/transport_overhead.{parquet,md}.
 """

@@ -66,9 +66,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
-    transport: Literal["auto", "object_store", "collective"] = Field(
+    transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
-        "workers compute on GPUs, object_store on CPUs")
+        "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")
     psd_min_requests: int = Field(2, ge=2, description="psd runs one sequential batch below this load")
     psd_low_load: Literal["auto", "psd", "seq"] = Field(
         "seq", description="psd at loads one batch holds (<= max_batch running): one sequential batch (seq, "

@@ -1,6 +1,7 @@
 """The GPU-only bench scripts run end to end in their --smoke form on the CPU (tiny shapes), so they do not
 rot between GPU sessions: GEMM layout sweep, graphed vs eager prefill (each writes its parquet, md and png),
-and the drafter-kill drill (in the session's Ray cluster, 2 fake GPUs)."""
+the drafter-kill drill, the payload hop over every route, and psd_vs_sd comparing two draft channels in one
+call (the last three in the session's Ray cluster, 2 fake GPUs)."""
 import json
 import os
 import subprocess
@@ -51,3 +52,25 @@ def test_prefill_longtail_and_check_smoke(tmp_path):
     assert set(rows) == {"padded", "packed"} and rows["padded"]["speedup_over_padded"] == 1.0
     assert rows["packed"]["tokens"] == rows["padded"]["tokens"] > 0 and rows["packed"]["tokens_per_s"] > 0
     assert "lognormal, median 10" in (tmp_path / "prefill_longtail.md").read_text()
+
+
+def test_payload_hop_smoke(ray_cluster, tmp_path):
+    """Every route of the hop benchmark, the ray_collective channel's included, in the session's cluster."""
+    from bench.payload_hop import ROUTES, main
+
+    main(["--smoke", "--out", str(tmp_path)])
+    rows = pq.read_table(tmp_path / "payload_hop_cpu.parquet").to_pylist()
+    assert {r["route"] for r in rows} == set(ROUTES)
+    assert {(r["route"], r["probs_width"]) for r in rows} >= {("ray_collective", 0), ("ray_collective", 16),
+                                                              ("link", 16)}
+    assert all(r["hop_ms"] > 0 and r["trips"] > 0 for r in rows)
+
+
+def test_psd_vs_sd_compares_channels_in_one_call(ray_cluster, tmp_path):
+    from bench.psd_vs_sd import main
+
+    assert main(["--smoke", "--mode", "psd", "--ks", "1", "--m", "2", "--waves", "1", "--transport",
+                 "collective,ray_collective", "--out", str(tmp_path)]) == 0
+    rows = pq.read_table(tmp_path / "psd_vs_sd.parquet").to_pylist()
+    assert sorted(r["transport"] for r in rows) == ["collective", "ray_collective"]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)

@@ -79,7 +79,8 @@ SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 
 @pytest.mark.parametrize("mode, transport, drafting", [
     ("ar", "object_store", {}), ("sd", "object_store", {}), ("sd_split", "object_store", {}),
     ("psd", "object_store", {}), ("sd_split", "collective", {}), ("psd", "collective", {}),
-    ("psd", "collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
+    ("psd", "collective", SAMPLED_DRAFTS), ("sd_split", "ray_collective", {}),
+    ("psd", "ray_collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
                                             if isinstance(v, dict) else None)
 def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport, drafting):
     # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked;
@@ -111,7 +112,7 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
         else:
             assert llm.info()["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
-        if transport == "collective":   # every message over the link was taken (rounds nobody named, drained)
+        if transport in ("collective", "ray_collective"):   # every message was taken (rounds nobody named, drained)
             deadline = time.time() + 5
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
                 time.sleep(0.05)
@@ -318,7 +319,8 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
 
 @pytest.mark.parametrize("mode, overlap, transport", [("psd", False, "object_store"), ("sd_split", False, "object_store"),
                                                      ("psd", True, "object_store"), ("psd", False, "collective"),
-                                                     ("sd_split", True, "collective")])
+                                                     ("sd_split", True, "collective"),
+                                                     ("psd", True, "ray_collective")])
 def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode, overlap,
                                 transport):
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
@@ -355,7 +357,7 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
 
 @pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
     ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10),
-    ("hang_at", "collective", 5, 10)])
+    ("hang_at", "collective", 5, 10), ("error_at", "ray_collective", 60, 45), ("hang_at", "ray_collective", 5, 10)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         ray_cluster, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify

@@ -76,6 +76,7 @@ class WorkerActors:
             ray.kill(old, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+        self.channel.drafter_gone(self.verifier)
         self.drafter = self._new_drafter()
         info = await wait_for(self.drafter.ready.remote(), "drafter restart", START_TIMEOUT_S)
         await self.channel.connect(self.drafter, self.verifier, info["device"])

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 class PeerLink:
     VERIFIER, DRAFTER = 0, 1   # ranks
+    on_device = False          # payloads cross through host memory
 
     def __init__(self, rank: int, generation: int, timeout_s: float):
         self.rank, self.peer, self.generation = rank, 1 - rank, generation

@@ -8,6 +8,9 @@ The manager only ever holds references or keys; drafts never pass through it.
   -> drafts -> verify) waits for a Ray message (docs/transport.md). The manager still orders everything with
   Ray calls made ahead of time; they carry keys (LinkRound, LinkTokens) that tell each side the tag and shape
   of the message to wait for.
+- `ray_collective`: the same keys and worker methods as `collective`, over `ray.util.collective` groups (NCCL
+  between GPU actors, gloo on CPUs) instead of the hand-made link (runtime/ray_collective.py). Not a default
+  until two GPUs have measured it against `collective` (docs/transport.md).
 - `object_store` (default on CPUs): the drafter returns host lists; the verify task names that result as an
   argument, so Ray hands it over through the manager (the result's owner): drafter -> manager -> verifier,
   and a draft round names its verify's result the same way.
@@ -18,10 +21,13 @@ calling the verifier itself; barely faster than through the manager, superseded 
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 
 import ray
 
+from .ray_collective import CONCURRENCY_GROUP, ChannelEnd, ChannelSpec, backend_for, close_end, open_end
 from .workers import DraftRound, LinkRound, LinkTokens, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
@@ -41,6 +47,9 @@ class DraftChannel:
 
     async def disconnect(self) -> None:
         pass
+
+    def drafter_gone(self, verifier) -> None:
+        """The drafter of the current generation died or is being replaced: nothing of it will come."""
 
     def submit(self, drafter, verifier, round_: DraftRound, sources: list):
         """A draft round (sources: what its rows take tokens from) -> (what the verify names as its drafts,
@@ -106,7 +115,30 @@ class CollectiveChannel(DraftChannel):
         drafter.drain_tokens.remote(tokens)
 
 
-CHANNELS = {c.name: c for c in (ObjectStoreChannel, CollectiveChannel)}
+class RayCollectiveChannel(CollectiveChannel):
+    """`collective`'s protocol over Ray's collective groups. Ray's NCCL transfers never fail on their own when the
+    peer dies, so the manager's word that the drafter is gone (it learns that from Ray) closes the verifier's end:
+    a verify waiting there runs without drafts at once."""
+    name = "ray_collective"
+    # the ends open and close in a thread of their own: the actor's tasks may be waiting on the channel then
+    actor_options = {"concurrency_groups": {CONCURRENCY_GROUP: 1}}
+
+    def __init__(self):
+        super().__init__()
+        self._prefix = f"minedraft-{uuid.uuid4().hex[:12]}"   # group names are global to the Ray cluster
+
+    async def connect(self, drafter, verifier, device: str) -> None:
+        self.generation += 1
+        spec = ChannelSpec(f"{self._prefix}-g{self.generation}", self.generation, backend_for(device))
+        await asyncio.gather(*(actor.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(
+            open_end, spec, rank) for actor, rank in ((verifier, ChannelEnd.VERIFIER), (drafter, ChannelEnd.DRAFTER))))
+
+    def drafter_gone(self, verifier) -> None:
+        verifier.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(
+            close_end, self.generation, "the drafter is gone")
+
+
+CHANNELS = {c.name: c for c in (ObjectStoreChannel, CollectiveChannel, RayCollectiveChannel)}
 
 
 def default_transport(on_gpu: bool) -> str:

@@ -184,7 +184,8 @@ class _Worker:
             if self.config.uses_drafter else None
         # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
         self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
-        self.link: PeerLink | None = None   # the collective draft channel's, one per drafter generation
+        # the collective channels' end (PeerLink, or ray_collective.ChannelEnd), one per drafter generation
+        self.link: PeerLink | None = None
         self.order: LaunchOrder | None = None   # a threaded worker's: tasks launch device work in turn
 
     def _turn(self, seq: int):
@@ -434,12 +435,12 @@ class DrafterWorker(_Worker):
         # made the hop from the drafter to the verify slower (docs/transport.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
-    def _draft(self, round_: DraftRound, *sources):
+    def _draft(self, round_: DraftRound, *sources, on_host: bool = True):
         """Drafter task round_.seq. sources: results of verifier tasks (prefill, verify) still in flight when the
         round was submitted, which Ray passes in once they exist, or (the collective channel) the LinkTokens a
         verify sends them under; rows take their tokens from these (RoundRow).
-        -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host;
-        device ms)."""
+        -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host,
+        or left on the device with `on_host` False; device ms)."""
         draft_rows, positions, error = [], list(round_.positions), None
         try:   # outside the turn: the previous round's device work runs meanwhile
             tokens = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s.tokens for s in sources]
@@ -459,7 +460,8 @@ class DrafterWorker(_Worker):
             with StepTimer(self.device) as timer:
                 pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
                 ids, probs = self.drafter.draft(draft_rows, round_.k, round_.seeds, pos_t)
-                ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
+                if on_host:
+                    ids, probs = to_host_async(ids), (to_host_async(probs) if probs is not None else None)
         ms = timer.ms   # waits for the device (and the copies to the host) here, outside the turn
         return ids, probs, ms
 
@@ -490,7 +492,7 @@ class DrafterWorker(_Worker):
         """The collective channel: draft (as `_draft`) and send the round over the link under `key` -> device
         ms. Should the round fail here, the manager replaces this drafter, and its link's end fails the verify
         waiting for the round: that verify runs without drafts."""
-        ids, probs, ms = self._draft(round_, *sources)
+        ids, probs, ms = self._draft(round_, *sources, on_host=not self.link.on_device)
         self.link.send(ids, 2 * key.key)
         if probs is not None:
             self.link.send(probs.contiguous(), 2 * key.key + 1)
