@@ -32,6 +32,7 @@ import torch
 
 from bench.common import command_line, git_sha, write_results
 from minedraft_ray.runtime.link import PeerLink
+from minedraft_ray.runtime.rendezvous import GcsStore, fresh_prefix
 from minedraft_ray.runtime.ray_collective import ChannelEnd, ChannelSpec, backend_for
 
 LINK_TAGS = itertools.count()   # one tag per message over the link
@@ -60,10 +61,10 @@ class Verifier(_Ends):
     def verify(self, drafts: dict) -> tuple[int, float]:
         return len(drafts["ids"]), time.time()   # the task's start: what the drafter's end is compared with
 
-    def open_link(self) -> tuple[str, int]:
-        host = ray.util.get_node_ip_address()
-        self.link, port = PeerLink.listen(0, host, 30.0)
-        return host, port
+    def open_link(self) -> str:
+        prefix = fresh_prefix("hop")
+        self.link = PeerLink.listen(0, ray.util.get_node_ip_address(), GcsStore(prefix, 30.0), 30.0)
+        return prefix
 
     def verify_over_link(self, rows: int, k: int, tag: int, width: int = 0, route: str = "link") -> tuple[int, float]:
         end = self._end(route)
@@ -85,8 +86,8 @@ class Drafter(_Ends):
                   "probs": CONTAINERS[container](torch.rand(rows, k, width)) if width else None}
         return drafts, time.time()
 
-    def join_link(self, host: str, port: int) -> None:
-        self.link = PeerLink.join(0, host, port, 30.0)
+    def join_link(self, prefix: str) -> None:
+        self.link = PeerLink.join(0, ray.util.get_node_ip_address(), GcsStore(prefix, 30.0), 30.0)
 
     def draft_over_link(self, rows: int, k: int, tag: int, width: int = 0, route: str = "link") -> float:
         end_ = self._end(route)
@@ -154,8 +155,7 @@ def main(argv=None) -> None:
     gpus = {"num_gpus": 1} if args.device == "cuda" else {}
     verifier = Verifier.options(**gpus).remote()
     drafter = Drafter.options(**gpus).remote(verifier)
-    host, port = ray.get(verifier.open_link.remote())
-    ray.get(drafter.join_link.remote(host, port))
+    ray.get(drafter.join_link.remote(ray.get(verifier.open_link.remote())))
     if "ray_collective" in routes:
         spec = ChannelSpec(f"payload-hop-{os.getpid()}-{time.time_ns()}", 1, backend_for(args.device))
         ray.get([verifier.open_channel.remote(spec, ChannelEnd.VERIFIER),

@@ -2,6 +2,7 @@
 order, sends that never block their sender, drains for messages nobody takes, and a peer's death seen at once."""
 import multiprocessing as mp
 import os
+import tempfile
 import time
 
 import pytest
@@ -12,8 +13,13 @@ from minedraft_ray.runtime.link import PeerLink
 HOST = "127.0.0.1"
 
 
-def _peer(port: int, script: str, done) -> None:
-    link = PeerLink.join(1, HOST, port, 20.0)
+def _store(path: str):
+    # a file both processes open: the link takes any torch.distributed store (the workers pass Ray's GCS)
+    return torch.distributed.FileStore(path, 2)
+
+
+def _peer(path: str, script: str, done) -> None:
+    link = PeerLink.join(1, HOST, _store(path), 20.0)
     if script == "echo_reversed":   # receive tags 1, 2, 3 in reverse order; send each back under tag + 10
         for tag in (3, 2, 1):
             got = link.recv((2, 3), torch.int64, tag)
@@ -30,9 +36,10 @@ def _peer(port: int, script: str, done) -> None:
 
 def _start(script: str):
     ctx = mp.get_context("spawn")
-    link, port = PeerLink.listen(1, HOST, 20.0)
+    path = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    link = PeerLink.listen(1, HOST, _store(path), 20.0)
     done = ctx.Event()
-    proc = ctx.Process(target=_peer, args=(port, script, done), daemon=True)
+    proc = ctx.Process(target=_peer, args=(path, script, done), daemon=True)
     proc.start()
     link.wait_ready()
     return link, proc, done

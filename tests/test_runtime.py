@@ -11,6 +11,7 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM, make_bundles
+from minedraft_ray.testing.channel import wildcard_listeners
 from minedraft_ray.testing.workers import faulty_drafter
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
@@ -50,6 +51,14 @@ def links_in_flight(llm) -> dict:
         return {name: ray.get(actor.__ray_call__.remote(lambda w: w.link.in_flight))
                 for name, actor in (("verifier", m.verifier), ("drafter", m.drafter))}
     return ray.get(llm.manager.__ray_call__.remote(count))
+
+
+def links_listening_everywhere(llm) -> dict:
+    """TCP sockets of the verifier's and the drafter's processes listening on 0.0.0.0 or ::."""
+    def found(self):
+        return {name: ray.get(actor.__ray_call__.remote(lambda w: wildcard_listeners()))
+                for name, actor in (("verifier", self.manager.verifier), ("drafter", self.manager.drafter))}
+    return ray.get(llm.manager.__ray_call__.remote(found))
 
 
 def check_balance(history, max_batch=None, min_requests=2):
@@ -117,6 +126,8 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
                 time.sleep(0.05)
             assert in_flight == {"verifier": 0, "drafter": 0}
+            # the channel's rendezvous and sockets: nothing of either actor listens on every interface
+            assert links_listening_everywhere(llm) == {"verifier": [], "drafter": []}
     finally:
         llm.shutdown()
 

@@ -31,7 +31,7 @@ class PeerLink:
         self.rank, self.peer, self.generation = rank, 1 - rank, generation
         self.timeout_s = timeout_s
         self._pg = None
-        self._store = None            # the verifier hosts the rendezvous store: it must outlive the connection
+        self._store = None            # the verifier's: it clears the rendezvous keys when the link closes
         self._error: Exception | None = None
         self._ready = threading.Event()
         # sends and drains in flight: (work, buffer), waited for in order by the reaper thread
@@ -41,20 +41,21 @@ class PeerLink:
         threading.Thread(target=self._reap, daemon=True, name=f"peer-link-reaper-{generation}").start()
 
     @classmethod
-    def listen(cls, generation: int, host: str, timeout_s: float) -> tuple["PeerLink", int]:
-        """The verifier's end: a rendezvous store on a free port, connected in the background (the drafter
-        joins after this returns) -> (link, port)."""
+    def listen(cls, generation: int, host: str, store: dist.Store, timeout_s: float) -> "PeerLink":
+        """The verifier's end: connects in the background through `store` (the drafter joins after this
+        returns); its gloo pair binds `host`."""
         link = cls(cls.VERIFIER, generation, timeout_s)
-        link._store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        threading.Thread(target=link._connect, args=(link._store, host), daemon=True,
+        link._store = store
+        threading.Thread(target=link._connect, args=(store, host), daemon=True,
                          name=f"peer-link-{generation}").start()
-        return link, link._store.port
+        return link
 
     @classmethod
-    def join(cls, generation: int, host: str, port: int, timeout_s: float) -> "PeerLink":
-        """The drafter's end: connects to the verifier's store and waits until the link is up."""
+    def join(cls, generation: int, host: str, store: dist.Store, timeout_s: float) -> "PeerLink":
+        """The drafter's end: connects through the verifier's `store` and waits until the link is up; its gloo
+        pair binds `host` (this node's address)."""
         link = cls(cls.DRAFTER, generation, timeout_s)
-        link._connect(dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=timeout_s)), host)
+        link._connect(store, host)
         link.wait_ready()
         return link
 
@@ -109,6 +110,12 @@ class PeerLink:
     def close(self) -> None:
         """Stop the reaper once what it holds is done (or failed); the link is not used again."""
         self._pending.put(None)
+        clear = getattr(self._store, "clear", None)
+        if clear is not None:
+            try:
+                clear()
+            except Exception:  # noqa: BLE001 - keys of a store that is already gone
+                pass
 
     @property
     def in_flight(self) -> int:

@@ -37,17 +37,17 @@ from datetime import timedelta
 import ray
 import torch
 import torch.distributed as dist
-from ray.experimental import internal_kv
 from ray.util import collective
 from ray.util.collective.backend_registry import register_collective_backend
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
+
+from .rendezvous import GcsStore
 
 log = logging.getLogger("minedraft.runtime")
 
 GLOO_PAIR = "MINEDRAFT_GLOO_PAIR"   # the CPU backend's name in Ray's registry
 NCCL = "NCCL"
 CONCURRENCY_GROUP = "draft_channel"   # the actors' thread for opening and closing ends, beside their tasks
-KV_NAMESPACE = "minedraft_channel"
 # a transfer waits this long at most: gloo ends a connection whose wait times out, and an idle receiver must
 # not; the callers' own waits are bounded (step_timeout_s)
 UNBOUNDED = timedelta(days=365)
@@ -61,39 +61,6 @@ def backend_for(device: str) -> str:
 
 
 # ---- the CPU backend -------------------------------------------------------------------------------------
-class GcsStore(dist.Store):
-    """torch.distributed's rendezvous store over Ray's GCS key-value store (one key prefix per group)."""
-
-    def __init__(self, prefix: str, timeout_s: float):
-        super().__init__()
-        self.prefix, self.timeout_s = prefix, timeout_s
-
-    def set(self, key: str, value) -> None:
-        internal_kv._internal_kv_put(self.prefix + key, bytes(value) if not isinstance(value, str) else value,
-                                     namespace=KV_NAMESPACE)
-
-    def get(self, key: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
-        while (value := internal_kv._internal_kv_get(self.prefix + key, namespace=KV_NAMESPACE)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {key!r} from the peer of {self.prefix} within {self.timeout_s:.0f} s")
-            time.sleep(0.005)
-        return value
-
-    def wait(self, keys, timeout=None) -> None:
-        for key in keys:
-            self.get(key)
-
-    def check(self, keys) -> bool:
-        return all(internal_kv._internal_kv_exists(self.prefix + k, namespace=KV_NAMESPACE) for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return bool(internal_kv._internal_kv_del(self.prefix + key, namespace=KV_NAMESPACE))
-
-    def clear(self) -> None:
-        internal_kv._internal_kv_del(self.prefix, del_by_prefix=True, namespace=KV_NAMESPACE)
-
-
 class PairGlooGroup(BaseGroup):
     """A Ray collective backend for two ranks on CPUs: a gloo process group of its own (never the process's
     default group), its connection bounded by the group's connect timeout, its transfers unbounded."""

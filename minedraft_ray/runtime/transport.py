@@ -92,8 +92,8 @@ class CollectiveChannel(DraftChannel):
 
     async def connect(self, drafter, verifier, device: str) -> None:
         self.generation += 1
-        host, port = await verifier.open_link.remote(self.generation)
-        await drafter.join_link.remote(self.generation, host, port)
+        prefix = await verifier.open_link.remote(self.generation)
+        await drafter.join_link.remote(self.generation, prefix)
 
     def submit(self, drafter, verifier, round_, sources):
         key = LinkRound(self._next_key, len(round_.rows), round_.k, self.generation)

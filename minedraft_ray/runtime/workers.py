@@ -26,6 +26,7 @@ from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
+from .rendezvous import GcsStore, fresh_prefix
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -277,13 +278,15 @@ class VerifierWorker(_Worker):
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
 
-    def open_link(self, generation: int) -> tuple[str, int]:
-        """The collective channel: listen for the drafter of `generation` -> (host, port) for it to join."""
-        host, old = _node_ip(), self.link
-        self.link, port = PeerLink.listen(generation, host, self.config.step_timeout_s)
+    def open_link(self, generation: int) -> str:
+        """The collective channel: wait for the drafter of `generation` -> the rendezvous key prefix it joins
+        under (GCS: nothing new listens)."""
+        prefix, old = fresh_prefix("link"), self.link
+        self.link = PeerLink.listen(generation, _node_ip(), GcsStore(prefix, self.config.step_timeout_s),
+                                    self.config.step_timeout_s)
         if old is not None:
             old.close()
-        return host, port
+        return prefix
 
     def drain_drafts(self, round_: LinkRound) -> None:
         """The collective channel: a round no verify will name; take its messages when they come."""
@@ -473,9 +476,10 @@ class DrafterWorker(_Worker):
         tokens = link.recv((source.rows, source.width), torch.int64, source.seq).tolist()   # [B, w]
         return [[t for t in row if t >= 0] for row in tokens]
 
-    def join_link(self, generation: int, host: str, port: int) -> None:
-        """The collective channel: connect to the verifier listening for this drafter's generation."""
-        old, self.link = self.link, PeerLink.join(generation, host, port, self.config.step_timeout_s)
+    def join_link(self, generation: int, prefix: str) -> None:
+        """The collective channel: connect to the verifier waiting for this drafter's generation."""
+        store = GcsStore(prefix, self.config.step_timeout_s)
+        old, self.link = self.link, PeerLink.join(generation, _node_ip(), store, self.config.step_timeout_s)
         if old is not None:
             old.close()
 

@@ -2,6 +2,7 @@
 worker does (its `link`), and exposes its interface as Ray calls."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -51,22 +52,25 @@ class End:
         return int(one.item())
 
     def wildcard_listeners(self):
-        """TCP sockets of this process listening on 0.0.0.0 or ::."""
-        import os
-        inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                link = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-        found = []
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            with open(table) as f:
-                for line in f.readlines()[1:]:
-                    fields = line.split()
-                    address, state, inode = fields[1].split(":")[0], fields[3], fields[9]
-                    if state == "0A" and inode in inodes and set(address) == {"0"}:
-                        found.append((table, fields[1]))
-        return found
+        return wildcard_listeners()
+
+
+def wildcard_listeners() -> list[tuple[str, str]]:
+    """TCP sockets of this process listening on 0.0.0.0 or ::."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                address, state, inode = fields[1].split(":")[0], fields[3], fields[9]
+                if state == "0A" and inode in inodes and set(address) == {"0"}:
+                    found.append((table, fields[1]))
+    return found
