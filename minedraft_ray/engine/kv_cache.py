@@ -15,11 +15,21 @@ never into a block someone owns. Nothing real reads it: a request reads only pos
 
 `static=True` reserves every slot's full `max_len + HEADROOM` up front: the memory and layout of the former
 contiguous cache, for callers that do not manage blocks (and as the comparison in benchmarks).
+
+Prefix caching (`prefix_caching=True`): a full block whose K/V is final (`register`) is keyed by a hash chain
+of the tokens up to its end (sha256 of the previous block's key and its own tokens, so a key names the whole
+prefix and cannot be forged by choosing tokens). A new request maps the longest run of cached blocks its
+tokens start with (`match`, `adopt`) and computes only the rest. Shared blocks are never written: only full
+blocks that lie below every position a request may still write are registered or matched (the caller bounds
+both), so a request that diverges inside a block computes that block afresh in its own. A block nobody holds
+stays cached and idle until the pool needs it; idle blocks are evicted least recently used first.
 """
+
 from __future__ import annotations
 
+import hashlib
 import math
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 import torch
@@ -95,7 +105,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, block_size: int = DEFAULT_BLOCK_SIZE,
-                 num_blocks: int | None = None, static: bool = False):
+                 num_blocks: int | None = None, static: bool = False, prefix_caching: bool = False):
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
         self.num_slots, self.max_len, self.block_size = num_slots, max_len, block_size
@@ -112,6 +122,12 @@ class KVCache:
         self.pool = BlockPool(num_blocks)
         self.held: list[list[int]] = [[] for _ in range(num_slots)]  # blocks of each slot, in table order
         self.static = static
+        self.prefix_caching = prefix_caching and not static
+        self.cached: dict[bytes, int] = {}             # prefix key -> block holding that prefix's last block
+        self.block_key: dict[int, bytes] = {}          # block -> its key, for blocks in `cached`
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, least recently used first
+        self.slot_keys: list[list[bytes]] = [[] for _ in range(num_slots)]  # keys of each slot's leading blocks
+        self.hit_tokens = self.query_tokens = 0        # prefix-cache counters (tokens matched / looked up)
         if static:
             for slot in range(num_slots):
                 self.reserve(slot, self.blocks_per_slot * block_size)
@@ -127,6 +143,19 @@ class KVCache:
         """Blocks `reserve(slot, num_tokens)` would take from the pool."""
         return max(0, self.blocks_for(num_tokens) - len(self.held[slot]))
 
+    @property
+    def num_available(self) -> int:
+        """Blocks a reservation can take: free ones and idle cached ones (evicted on demand)."""
+        return self.pool.num_free + len(self.idle)
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks from the free list, evicting idle cached blocks (least recently used first) when it runs dry."""
+        while self.pool.num_free < n and self.idle:
+            block, _ = self.idle.popitem(last=False)
+            del self.cached[self.block_key.pop(block)]
+            self.pool.put_back(block)
+        return self.pool.alloc(n)
+
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Map positions [0, num_tokens) of `slot` (capped at the slot's table), taking blocks from the pool
         as needed; all or nothing: BlocksExhaustedError leaves the slot as it was."""
@@ -135,13 +164,13 @@ class KVCache:
     def reserve_many(self, slots: list[int], num_tokens: list[int]) -> None:
         """`reserve` for several slots, all or nothing, with one table copy to the device."""
         missing = [self.blocks_missing(s, n) for s, n in zip(slots, num_tokens)]
-        if sum(missing) > self.pool.num_free:
-            raise BlocksExhaustedError(f"{sum(missing)} KV blocks wanted, {self.pool.num_free} free")
+        if sum(missing) > self.num_available:
+            raise BlocksExhaustedError(f"{sum(missing)} KV blocks wanted, {self.num_available} available")
         rows, cols, ids = [], [], []
         for slot, n in zip(slots, missing):
             if n:
                 start = len(self.held[slot])
-                new = self.pool.alloc(n)
+                new = self._take(n)
                 self.held[slot].extend(new)
                 rows += [slot] * n
                 cols += range(start, start + n)
@@ -155,14 +184,67 @@ class KVCache:
         if self.static:
             self.lengths[slot] = 0
             return []
-        freed = [b for b in self.held[slot] if self.pool.decref(b)]
-        for b in freed:
-            self.pool.put_back(b)
+        freed = []
+        # the slot's last blocks first: when the pool runs short, a prefix's tail is evicted before its head
+        for b in reversed(self.held[slot]):
+            if self.pool.decref(b):
+                if b in self.block_key:
+                    self.idle[b] = None
+                else:
+                    self.pool.put_back(b)
+                    freed.append(b)
         count = len(self.held[slot])
         self.held[slot] = []
+        self.slot_keys[slot] = []
         if count:
             self._write_table([slot] * count, list(range(count)), [NULL_BLOCK] * count)
         return freed
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    @staticmethod
+    def _key(previous: bytes, tokens) -> bytes:
+        return hashlib.sha256(previous + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+    def match(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Cached blocks holding the longest run of full blocks `tokens` starts with, within its first
+        `max_tokens` tokens (counted in `hit_tokens` / `query_tokens`)."""
+        blocks, key, bs = [], b"", self.block_size
+        if self.prefix_caching:
+            for i in range(min(max_tokens, len(tokens)) // bs):
+                key = self._key(key, tokens[i * bs:(i + 1) * bs])
+                block = self.cached.get(key)
+                if block is None:
+                    break
+                blocks.append(block)
+            self.query_tokens += max(max_tokens, 0)
+            self.hit_tokens += len(blocks) * bs
+        return blocks
+
+    def adopt(self, slot: int, blocks: list[int]) -> int:
+        """Map an empty slot's leading positions to cached `blocks` (from `match`); returns the tokens mapped."""
+        if not blocks:
+            return 0
+        assert not self.held[slot], f"slot {slot} already holds blocks"
+        for b in blocks:
+            self.pool.incref(b)
+            self.idle.pop(b, None)
+        self.held[slot] = list(blocks)
+        self.slot_keys[slot] = [self.block_key[b] for b in blocks]
+        self._write_table([slot] * len(blocks), list(range(len(blocks))), blocks)
+        return len(blocks) * self.block_size
+
+    def register(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """The slot's K/V of `tokens[:num_tokens]` is final (never written again): cache its full blocks in that
+        range. A prefix already cached in another block keeps that one."""
+        if not self.prefix_caching:
+            return
+        keys, held, bs = self.slot_keys[slot], self.held[slot], self.block_size
+        for i in range(len(keys), min(num_tokens // bs, len(held))):
+            key = self._key(keys[-1] if keys else b"", tokens[i * bs:(i + 1) * bs])
+            keys.append(key)
+            if key not in self.cached and held[i] not in self.block_key:
+                self.cached[key] = held[i]
+                self.block_key[held[i]] = key
 
     def _write_table(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
         # advanced-index put: one small host-to-device copy of the changed entries
@@ -178,30 +260,22 @@ class KVCache:
         return flat(self.k[layer]), flat(self.v[layer])
 
     def check_blocks(self) -> None:
-        """Consistency of the host bookkeeping (tests): every held block has a positive count equal to its
-        holders, free blocks have count 0 and are held by nobody, no block is lost."""
-        counts = np.zeros(self.pool.num_blocks, dtype=np.int64)
-        counts[NULL_BLOCK] = 1
+        """Consistency of the host bookkeeping (tests): every block's reference count equals its holders (never
+        negative), and every block is exactly one of: held, idle in the prefix cache, free (none is lost)."""
+        holders = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        holders[NULL_BLOCK] = 1
         for blocks in self.held:
-            for b in blocks:
-                counts[b] += 1
-        free = set(self.pool._free)
-        assert len(free) == len(self.pool._free), "a block is on the free list twice"
-        extra = self.extra_refs()
-        assert all(self.pool.refcount[b] == 0 for b in free), "a free block is referenced"
+            assert len(set(blocks)) == len(blocks), "a slot holds a block twice"
+            np.add.at(holders, np.asarray(blocks, dtype=np.int64), 1)
         assert (self.pool.refcount >= 0).all(), "negative reference count"
-        assert np.array_equal(self.pool.refcount, counts + extra), "reference counts differ from holders"
-        unaccounted = set(range(self.pool.num_blocks)) - free - {b for b in range(self.pool.num_blocks) if counts[b]
-                                                                 or extra[b]} - self.idle_blocks()
-        assert not unaccounted, f"blocks leaked: {sorted(unaccounted)[:10]}"
-
-    def extra_refs(self) -> np.ndarray:
-        """References held by something other than a slot (none here; the prefix cache adds its own)."""
-        return np.zeros(self.pool.num_blocks, dtype=np.int64)
-
-    def idle_blocks(self) -> set[int]:
-        """Unreferenced blocks kept out of the free list (none here; the prefix cache keeps its own)."""
-        return set()
+        assert np.array_equal(self.pool.refcount, holders), "reference counts differ from holders"
+        free, idle = list(self.pool._free), set(self.idle)
+        assert len(set(free)) == len(free), "a block is on the free list twice"
+        held = set(np.flatnonzero(holders).tolist())
+        assert not (held & idle) and not (held & set(free)) and not (idle & set(free)), "a block is in two states"
+        assert held | idle | set(free) == set(range(self.pool.num_blocks)), "a block was lost"
+        assert all(b in self.block_key for b in idle), "an idle block is not cached"
+        assert set(self.block_key) == set(self.cached.values()), "cache index and block keys disagree"
 
     @staticmethod
     def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

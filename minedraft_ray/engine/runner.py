@@ -136,7 +136,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, device: torch.device | str, num_slots: int, max_len: int,
                  max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None,
                  packed_prefill: bool = True, max_prefill_tokens: int = PREFILL_TOKEN_BUDGET,
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None):
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None, prefix_caching: bool = False):
         self.model, self.device = model, torch.device(device)
         self.cfg = model.cfg
         if self.device.type == "cuda":
@@ -147,7 +147,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(self.cfg.num_layers, num_slots + 1, max_len, self.cfg.num_kv_heads, self.cfg.head_dim,
                              dtype, self.device, block_size=block_size, num_blocks=num_blocks,
-                             static=num_blocks is None)
+                             static=num_blocks is None, prefix_caching=prefix_caching)
         self.num_slots, self.scratch_slot = num_slots, num_slots
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
@@ -349,9 +349,14 @@ class ModelRunner:
         return self.model.compute_logits(last)[..., :self.vocab]
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None) -> torch.Tensor:
+    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None,
+                cached: list[int] | None = None) -> torch.Tensor:
         """Start fresh slots with their prompts: [B, V] logits of each prompt's last token (padded path on
-        CUDA: a graph's buffer when the prompts fit a captured shape: use it before the next step)."""
+        CUDA: a graph's buffer when the prompts fit a captured shape: use it before the next step). `cached`:
+        tokens at the start of each prompt whose K/V the slot already holds (a prefix-cache hit), not recomputed."""
+        if cached is not None and any(cached):
+            self.set_lengths(slots, cached)
+            return self.extend(slots, [p[c:] for p, c in zip(prompts, cached)], packed=packed)
         self.set_lengths(slots, [0] * len(slots))
         if self.packed_prefill if packed is None else packed:
             return self.extend(slots, prompts, packed=True)
@@ -376,8 +381,17 @@ class ModelRunner:
         self.cache.reserve_many(slots, num_tokens)
 
     def release(self, slot: int) -> None:
-        """The request on `slot` is done: its blocks go back to the pool."""
+        """The request on `slot` is done: its blocks go back to the pool (cached ones stay cached, idle)."""
         self.cache.release(slot)
+
+    def adopt_prefix(self, slot: int, tokens: list[int], max_tokens: int) -> int:
+        """Map the longest cached prefix of `tokens` (whole blocks, within max_tokens) into the empty `slot`;
+        returns how many tokens it holds now (0 without prefix caching)."""
+        return self.cache.adopt(slot, self.cache.match(tokens, max_tokens))
+
+    def register_prefix(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """The slot's K/V of tokens[:num_tokens] is final: offer its full blocks to the prefix cache."""
+        self.cache.register(slot, tokens, num_tokens)
 
     def set_lengths(self, slots, lengths) -> None:
         self.cache.lengths.index_copy_(0, to_device(slots, self.device), to_device(lengths, self.device))
