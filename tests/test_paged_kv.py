@@ -159,12 +159,15 @@ def test_default_max_len_is_the_models_context(tiny_llama):
 
 @pytest.mark.parametrize("mode", ["ar", "sd"])
 def test_prefix_cache_shares_blocks_and_keeps_greedy_output(tiny_llama, tiny_llama_draft, mode):
-    """Prompts with a common 21-token start (blocks of 4: five shared, divergence inside the sixth) and one
-    repeated prompt: later requests hit the cache in both models, and the tokens are those of a run without it."""
+    """Prompts with a common 21-token start (blocks of 4: five shared, divergence inside the sixth), one
+    repeated prompt, and a repeated prompt of whole blocks (whose last block must not be shared: the target
+    recomputes its last token, the drafter rewrites its last two): later requests hit the cache in both models,
+    and the tokens are those of a run without it."""
     tok = Engine(tiny_llama, mode="ar", max_batch=1, max_len=64, device="cpu", paged=False).tokenizer
     system = tok.encode("You are a helpful assistant. Answer briefly.")[:21]
     assert len(system) == 21
-    prompts = [system + tok.encode(s) for s in ["What is 2+2?", "Name a colour.", "What is 2+2?", "Hi"]]
+    prompts = [system[:20]] + [system + tok.encode(s) for s in ["What is 2+2?", "Name a colour.", "What is 2+2?",
+                                                                "Hi"]] + [system[:20]]
     draft = tiny_llama_draft if mode == "sd" else None
 
     def run(**kw):
