@@ -32,12 +32,13 @@ ACTIVATION_MARGIN_BYTES = 1 << 30
 CPU_POOL_BYTES = 1 << 30  # bound of the KV pool in host memory, which the rest of the host shares
 
 
-def activation_bytes(models, max_tokens: int, max_batch: int) -> int:
+def activation_bytes(models, max_tokens: int, max_batch: int, step_tokens: int) -> int:
     """A bound on one forward's transient memory: max_tokens tokens through the widest layer (hidden,
-    qkv, gate_up and its product, in the model dtype) plus fp32 logits of a verify of every row."""
+    qkv, gate_up and its product, in the model dtype) plus fp32 logits (and two more of their size: probabilities,
+    sampling) of a step of step_tokens tokens in every row."""
     widest = max(max_tokens * (4 * m.cfg.hidden_size + 3 * m.cfg.intermediate_size)
                  * next(m.parameters()).element_size() for m in models)
-    logits = max(max_batch * (MAX_K + 1) * m.cfg.vocab_size * 4 * 3 for m in models)
+    logits = max(max_batch * step_tokens * m.cfg.vocab_size * 4 * 3 for m in models)
     return widest + logits
 
 
@@ -153,6 +154,7 @@ class Engine:
         self.max_len, self.paged, self.prefix_caching = max_len, paged, paged and prefix_caching
         self.slots = SlotAllocator(num_slots)
         self.num_preemptions = 0
+        self.peak_running = 0  # the most requests resident at once so far (concurrency)
         runner = dict(packed_prefill=packed_prefill, max_prefill_tokens=max_prefill_tokens, block_size=block_size,
                       num_blocks=num_blocks, prefix_caching=self.prefix_caching)
         self.verifier = Verifier(ModelRunner(target_model, self.device, num_slots, max_len, max_batch,
@@ -167,7 +169,8 @@ class Engine:
         """(max_len, blocks per pool): blocks from memory unless given; a default max_len lowered to what one
         request may hold, a given one checked against it."""
         if num_blocks is None:
-            reserve = ACTIVATION_MARGIN_BYTES + activation_bytes(models, max_prefill_tokens, self.max_batch)
+            reserve = ACTIVATION_MARGIN_BYTES + activation_bytes(models, max_prefill_tokens, self.max_batch,
+                                                                self.k + 1 if len(models) > 1 else 1)
             tokens = pool_tokens(models, self.device, utilization, reserve, num_slots * (max_len + HEADROOM))
             num_blocks = tokens // block_size + 1  # + the null block
         holds = (num_blocks - 1) * block_size - HEADROOM  # the most one request can hold
@@ -213,6 +216,7 @@ class Engine:
                 if admitted:
                     self._prefill(admitted)
                     running += admitted
+                    self.peak_running = max(self.peak_running, len(running))
                 running = self._retire(running, bar)
                 if running:
                     running, preempted = self._grow(running)
@@ -319,7 +323,8 @@ class Engine:
             return {"hit_tokens": c.hit_tokens, "query_tokens": c.query_tokens,
                     "hit_rate": c.hit_tokens / c.query_tokens if c.query_tokens else 0.0,
                     "blocks": c.num_blocks - 1, "blocks_available": c.num_available}
-        out = {"target": stats(self.verifier.runner), "preemptions": self.num_preemptions}
+        out = {"target": stats(self.verifier.runner), "preemptions": self.num_preemptions,
+               "peak_running": self.peak_running}
         if self.drafter is not None:
             out["draft"] = stats(self.drafter.runner)
         return out
