@@ -213,6 +213,8 @@ class Engine:
                 admitted = []
                 while waiting and len(running) + len(admitted) < self.max_batch and self._place(waiting[0]):
                     admitted.append(waiting.popleft())
+                if waiting and not admitted and not running:  # cannot happen: max_len is bounded by the pool
+                    raise RuntimeError("the KV pool cannot hold one request")
                 if admitted:
                     self._prefill(admitted)
                     running += admitted
