@@ -134,15 +134,18 @@ def static_reference(tiny_llama):
     return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd"])
-def test_greedy_paged_with_preemption_equals_static(tiny_llama, tiny_llama_draft, static_reference, mode):
-    """A pool far smaller than the batch needs: requests are preempted mid-generation and recomputed, and
-    every token is the static layout's."""
+@pytest.mark.parametrize("mode, prefix_caching", [("ar", False), ("sd", False), ("sd", True)])
+def test_greedy_paged_with_preemption_equals_static(tiny_llama, tiny_llama_draft, static_reference, mode,
+                                                    prefix_caching):
+    """A pool far smaller than the batch needs: requests are preempted mid-generation and recomputed (from
+    their own cached blocks where those are still idle), and every token is the static layout's."""
     engine = Engine(tiny_llama, tiny_llama_draft if mode == "sd" else None, mode=mode, k=3, max_batch=6,
-                    max_len=128, device="cpu", block_size=4, num_blocks=40)
+                    max_len=128, device="cpu", block_size=4, num_blocks=40, prefix_caching=prefix_caching)
     outs = engine.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == static_reference
     assert engine.num_preemptions > 0
+    if prefix_caching:  # a resumed request finds blocks of its own earlier run
+        assert engine.cache_stats()["target"]["hit_tokens"] > 0
     for run in engine.runners:
         run.cache.check_blocks()
         assert run.cache.num_available == run.cache.num_blocks - 1  # every block back
