@@ -164,7 +164,8 @@ def main(argv=None) -> None:
              f"concurrency: {settings['requests']} long-tailed requests at max_len {settings['max_len']}, "
              f"max_batch {settings['max_batch']}, gpu_memory_utilization {settings['utilization']}; slots_static = "
              "the paged pool's tokens / (max_len + headroom)",
-             f"prefix: system prompt {settings['system']} tokens + {settings['suffix']}-token suffixes; ttft_ms: median "
+             f"prefix: system prompt {settings['system']} tokens + {settings['suffix']}-token suffixes; ttft_ms: "
+             "median "
              f"of {settings['ttft_requests']} single requests; tokens/s: {settings['batch_requests']} requests of "
              f"{settings['max_tokens']} tokens, max_batch {settings['prefix_batch']}",
              f"decode: median of {settings['reps']} steps after {settings['warmup']} warm-up (bench.engine_speed's "

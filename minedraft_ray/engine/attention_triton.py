@@ -166,7 +166,8 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Query (b, i) attends keys 0..positions[b, i] (inclusive) of slot slots[b].
 
     q: [B, qlen, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks);
-    block_tables: [S, W] int64 (blocks of each slot); slots: [B] int64; positions: [B, qlen] int64. Returns [B, qlen, Hq, D] in q's dtype. `config` replaces CONFIG;
+    block_tables: [S, W] int64 (blocks of each slot); slots: [B] int64; positions: [B, qlen] int64.
+    Returns [B, qlen, Hq, D] in q's dtype. `config` replaces CONFIG;
     `num_splits`/`block_n` override it (tests use them to cover both paths on tiny shapes).
     """
     B, qlen, Hq, D = q.shape

@@ -43,21 +43,22 @@ def activation_bytes(models, max_tokens: int, max_batch: int, step_tokens: int) 
 
 
 def pool_tokens(models, device: torch.device, gpu_memory_utilization: float, reserve_bytes: int,
-                cpu_bound_tokens: int) -> int:
-    """Tokens of K/V that every model's pool can hold (each model caches every token once). On CUDA: the share
+                bound_tokens: int) -> int:
+    """Tokens of K/V that every model's pool can hold (each model caches every token once), at most
+    bound_tokens (what the slots can use at once: more would only idle). On CUDA: the share
     `gpu_memory_utilization` of the device, less what is in use now (weights, other processes) and
-    `reserve_bytes`; on a CPU: at most CPU_POOL_BYTES and cpu_bound_tokens."""
+    `reserve_bytes`; on a CPU: CPU_POOL_BYTES."""
     per_token = sum(bytes_per_token(m.cfg.num_layers, m.cfg.num_kv_heads, m.cfg.head_dim,
                                     next(m.parameters()).dtype) for m in models)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - reserve_bytes
-        if budget <= 0:
-            raise CacheSizeError(f"no room for a KV cache: {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free, "
-                                 f"gpu_memory_utilization={gpu_memory_utilization} leaves none after the weights "
-                                 f"and {reserve_bytes / 2**30:.1f} GiB for activations")
-        return budget // per_token
-    return min(CPU_POOL_BYTES // per_token, cpu_bound_tokens)
+    if device.type != "cuda":
+        return min(CPU_POOL_BYTES // per_token, bound_tokens)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * gpu_memory_utilization) - (total - free) - reserve_bytes
+    if budget <= 0:
+        raise CacheSizeError(f"no room for a KV cache: {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB free, "
+                             f"gpu_memory_utilization={gpu_memory_utilization} leaves none after the weights "
+                             f"and {reserve_bytes / 2**30:.1f} GiB for activations")
+    return min(budget // per_token, bound_tokens)
 
 
 @dataclass
@@ -185,7 +186,8 @@ class Engine:
     def _check_static(self, models, max_len: int, num_slots: int, utilization: float) -> None:
         if self.device.type != "cuda":
             return
-        tokens = pool_tokens(models, self.device, utilization, ACTIVATION_MARGIN_BYTES, 0)
+        tokens = pool_tokens(models, self.device, utilization, ACTIVATION_MARGIN_BYTES,
+                             (num_slots + 1) * (max_len + HEADROOM))
         fits = tokens // (max_len + HEADROOM) - 1  # one scratch slot per runner
         if fits < num_slots:
             raise CacheSizeError(f"{num_slots} KV slots of max_len={max_len} do not fit: {max(fits, 0)} fit; "

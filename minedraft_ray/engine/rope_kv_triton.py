@@ -22,7 +22,8 @@ def _rope_write_kv_kernel(
     QLEN,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rope, stride_pb, stride_table,
     stride_kb, stride_kr, stride_kh_cache, stride_vb, stride_vr, stride_vh_cache,
-    BS: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BS: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)  # token n = b * QLEN + i
     h = tl.program_id(1)  # kv head
