@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton", reason="triton is not importable")
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from tests.paging import paginate  # noqa: E402
+from paging import paginate  # noqa: E402
 
 INTERPRETED = isinstance(tl.standard.max, InterpretedFunction)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

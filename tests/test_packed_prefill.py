@@ -9,7 +9,7 @@ from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.runner import ModelRunner, plan_pieces
 from minedraft_ray.engine.sampling import SamplingParams
 
-from tests.paging import paginate
+from paging import paginate
 
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral"]
 LENGTHS = [7, 1, 19, 4, 12]  # mixed, one single-token prompt
