@@ -60,20 +60,22 @@ def short(config) -> str:
 
 
 def make_inputs(shape: dict, qlen: int, device: torch.device):
-    """Cache, queries, slots (a random half of them, out of order) and positions at the shape's context."""
-    from minedraft_ray.engine.kv_cache import HEADROOM
+    """Paged cache (blocks of the default size, each slot's scattered over the pool), queries, slots (a random
+    half of them, out of order) and positions at the shape's context."""
+    from minedraft_ray.engine.kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM
 
     torch.manual_seed(qlen)
-    rows = shape["max_len"] + HEADROOM
-    cache_shape = (shape["slots"], rows, shape["kv_heads"], shape["head_dim"])
+    per_slot = -(-(shape["max_len"] + HEADROOM) // DEFAULT_BLOCK_SIZE)
+    cache_shape = (shape["slots"] * per_slot + 1, DEFAULT_BLOCK_SIZE, shape["kv_heads"], shape["head_dim"])
     k_cache = torch.randn(cache_shape, dtype=shape["dtype"], device=device)
     v_cache = torch.randn(cache_shape, dtype=shape["dtype"], device=device)
+    tables = (torch.randperm(shape["slots"] * per_slot) + 1).view(shape["slots"], per_slot).to(device)
     q = torch.randn(shape["batch"], qlen, shape["heads"], shape["head_dim"], dtype=shape["dtype"], device=device)
     slots = torch.randperm(shape["slots"])[:shape["batch"]].to(device)
     positions = shape["context"] + torch.arange(qlen, device=device).expand(shape["batch"], qlen).contiguous()
     live_bytes = 2 * shape["batch"] * (shape["context"] + qlen) * shape["kv_heads"] * shape["head_dim"] \
         * k_cache.element_size()
-    return (q, k_cache, v_cache, slots, positions), live_bytes
+    return (q, k_cache, v_cache, tables, slots, positions), live_bytes
 
 
 def sweep(shape: dict, configs: list, device: torch.device, budget_s: float) -> list[dict]:
@@ -86,7 +88,7 @@ def sweep(shape: dict, configs: list, device: torch.device, budget_s: float) -> 
     for j, qlen in enumerate(qlens):
         deadline = start + budget_s * (j + 1) / len(qlens)  # time one q leaves unused goes to the next
         args, live_bytes = make_inputs(shape, qlen, device)
-        cache_rows = args[1].shape[1]
+        cache_rows = args[3].shape[1] * args[1].shape[1]  # positions a slot holds
         reference = None
         for config in configs:
             row = dict(q=qlen, config=short(config),

@@ -1,5 +1,9 @@
 """attend_triton and rope_write_kv (rope_kv_triton.py) against plain torch references.
 
+The kernels read a paged cache (a pool of blocks and a block table per slot); the cases are built contiguous,
+as the references read them, and laid out in shuffled blocks for the kernels (tests/paging.py), with block
+sizes smaller than, equal to and larger than the kernels' key tiles.
+
 Without a GPU the kernels run in Triton's interpreter, which must be switched on before triton is
 first imported (@triton.jit and triton.language's own helpers read TRITON_INTERPRET then). If an
 earlier test module already imported triton compiled, the CPU tests rerun this file in a fresh process.
@@ -20,6 +24,8 @@ if ON_CPU and "triton" not in sys.modules:
 triton = pytest.importorskip("triton", reason="triton is not importable")
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from paging import paginate  # noqa: E402
 
 INTERPRETED = isinstance(tl.standard.max, InterpretedFunction)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -51,6 +57,12 @@ def attend_cpu(monkeypatch):
     from minedraft_ray.engine.attention_triton import attend_triton
 
     return attend_triton
+
+
+def paged(kernel, case, block_size=8, **kw):
+    """kernel(q, k_pool, v_pool, block_tables, slots, positions, ...) on a contiguous case laid out in blocks."""
+    q, k_cache, v_cache, *rest = case
+    return kernel(q, *paginate(k_cache, v_cache, block_size), *rest, **kw)
 
 
 def reference_attend(q, k_cache, v_cache, slots, positions, scale):
@@ -90,12 +102,13 @@ def make_case(first_positions, qlen, groups, head_dim, dtype, kv_heads=2, rows=4
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("qlen", [1, 5])
 @pytest.mark.parametrize("num_splits", [1, 3])  # 1: stage 1 writes the output; 3: split + combine
-def test_matches_reference(attend_cpu, qlen, groups, dtype, num_splits):
+@pytest.mark.parametrize("block_size", [4, 16, 64])  # below, at and above the key tile
+def test_matches_reference(attend_cpu, qlen, groups, dtype, num_splits, block_size):
     rows = 40
     # live lengths 1, 2, R (a query at the last row), and two in between
     first = [0, 1 if qlen == 1 else 0, rows - qlen, 17, 30 - qlen]
     case = make_case(first, qlen, groups, head_dim=16, dtype=dtype, rows=rows)
-    out = attend_cpu(*case, scale=0.25, num_splits=num_splits, block_n=16)
+    out = paged(attend_cpu, case, block_size, scale=0.25, num_splits=num_splits, block_n=16)
     assert out.dtype == dtype and out.shape == case[0].shape
     torch.testing.assert_close(out, reference_attend(*case, scale=0.25), **TOL[dtype])
 
@@ -104,7 +117,7 @@ def test_matches_reference(attend_cpu, qlen, groups, dtype, num_splits):
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_default_heuristics_head_dims(attend_cpu, head_dim):
     case = make_case([0, 70, 128 - 5], qlen=5, groups=4, head_dim=head_dim, dtype=torch.bfloat16, rows=128)
-    out = attend_cpu(*case, scale=head_dim ** -0.5)
+    out = paged(attend_cpu, case, 16, scale=head_dim ** -0.5)
     torch.testing.assert_close(out, reference_attend(*case, scale=head_dim ** -0.5), **TOL[torch.bfloat16])
 
 
@@ -113,7 +126,7 @@ def test_prefill_sized_query(attend_cpu):
     # 40 tokens x 2 heads per kv head = 80 query rows: two row blocks, each skipping keys past its last position
     case = make_case([0, 9], qlen=40, groups=2, head_dim=16, dtype=torch.float32, rows=64)
     for num_splits in (1, 2):
-        out = attend_cpu(*case, scale=0.25, num_splits=num_splits, block_n=16)
+        out = paged(attend_cpu, case, 8, scale=0.25, num_splits=num_splits, block_n=16)
         torch.testing.assert_close(out, reference_attend(*case, scale=0.25), **TOL[torch.float32])
 
 
@@ -179,9 +192,10 @@ PACKED_REQUESTS = [(5, 0, 9), (0, 3, 6), (3, 0, 1), (2, 40 - 7, 7), (1, 0, 1)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("block_m", [16, 64])  # 16: blocks straddle requests; 64: one block holds several
-def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m):
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m, block_size):
     case = make_packed_case(PACKED_REQUESTS, groups, head_dim=16, dtype=dtype)
-    out = attend_packed_cpu(*case, scale=0.25, block_m=block_m, block_n=16)
+    out = paged(attend_packed_cpu, case, block_size, scale=0.25, block_m=block_m, block_n=16)
     assert out.dtype == dtype and out.shape == case[0].shape
     torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[dtype])
 
@@ -194,7 +208,8 @@ def test_packed_padding_tokens_share_a_row(attend_packed_cpu):
     token_slots, positions = torch.cat([token_slots, torch.ones(3, dtype=torch.int64)]), torch.cat(
         [positions, torch.zeros(3, dtype=torch.int64)])
     q = torch.cat([q, torch.randn(3, *q.shape[1:])])
-    out = attend_packed_cpu(q, k_cache, v_cache, token_slots, positions, 0.25, block_m=16, block_n=16)
+    out = paged(attend_packed_cpu, (q, k_cache, v_cache, token_slots, positions), 8, scale=0.25, block_m=16,
+                block_n=16)
     torch.testing.assert_close(out, reference_packed(q, k_cache, v_cache, token_slots, positions, 0.25),
                                **TOL[torch.float32])
 
@@ -204,7 +219,7 @@ def test_packed_torch_reference_matches(attend_packed_cpu):
     from minedraft_ray.engine.attention import attend_packed_reference
 
     case = make_packed_case(PACKED_REQUESTS, groups=2, head_dim=16, dtype=torch.float32)
-    torch.testing.assert_close(attend_packed_reference(*case, scale=0.25), reference_packed(*case, scale=0.25),
+    torch.testing.assert_close(paged(attend_packed_reference, case, 4, scale=0.25), reference_packed(*case, scale=0.25),
                                **TOL[torch.float32])
 
 
@@ -220,7 +235,7 @@ def test_cuda_matches_reference(batch):
     first[0] = 1024 - 5
     case = make_case(first, qlen=5, groups=4, head_dim=128, dtype=torch.bfloat16, kv_heads=8, rows=1024,
                      slots=torch.randperm(batch).tolist(), device="cuda")
-    out = attend_triton(*case, scale=128 ** -0.5)
+    out = paged(attend_triton, case, 16, scale=128 ** -0.5)
     ref = reference_attend(*(t.cpu() for t in case), scale=128 ** -0.5)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
 
@@ -232,12 +247,16 @@ def test_cuda_graph_replay_follows_positions():
     q, k_cache, v_cache, slots, positions = make_case([100, 7, 500], qlen=1, groups=4, head_dim=64,
                                                       dtype=torch.bfloat16, kv_heads=8, rows=1024, device="cuda")
     k_cache.nan_to_num_(0.0), v_cache.nan_to_num_(0.0)  # the replay below looks further than the capture
-    attend_triton(q, k_cache, v_cache, slots, positions, 0.125)  # compile outside the capture
+    k_pool, v_pool, tables = paginate(k_cache, v_cache, 16)
+    attend_triton(q, k_pool, v_pool, tables, slots, positions, 0.125)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attend_triton(q, k_cache, v_cache, slots, positions, 0.125)
+        out = attend_triton(q, k_pool, v_pool, tables, slots, positions, 0.125)
     positions.copy_(torch.tensor([[900], [3], [1000]], device="cuda"))
+    # the same slots in other blocks: the graph reads the table it was captured with, in place
+    new_k, new_v, new_tables = paginate(k_cache, v_cache, 16, seed=1)
+    k_pool.copy_(new_k), v_pool.copy_(new_v), tables.copy_(new_tables)
     graph.replay()
     ref = reference_attend(q.cpu(), k_cache.cpu(), v_cache.cpu(), slots.cpu(), positions.cpu(), 0.125)
     torch.testing.assert_close(out.cpu(), ref, **TOL[torch.bfloat16])
@@ -272,23 +291,25 @@ def make_rope_case(qlen, head_dim, dtype, kv_heads=2, groups=4, device="cpu"):
     q, k, v = qkv.split([Hq * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k, v = (t.reshape(N, -1, head_dim) for t in (q, k, v))  # views: row stride = the fused width
     rope = torch.randn(64, head_dim, dtype=torch.float32, device=device)  # any table: positions index it
-    k_cache = torch.randn(6, 40, kv_heads, head_dim, dtype=dtype, device=device)
+    # 6 slots of 40 positions in blocks of 8, shuffled over the pool (block 0 is the null block)
+    k_cache = torch.randn(6 * 5 + 1, 8, kv_heads, head_dim, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
+    tables = (torch.randperm(6 * 5, generator=torch.Generator().manual_seed(0)) + 1).view(6, 5).to(device)
     positions = torch.tensor([7, 0, 40 - qlen], device=device)[:, None] + torch.arange(qlen, device=device)
-    return q, k, v, rope, k_cache, v_cache, slots, positions
+    return q, k, v, rope, k_cache, v_cache, tables, slots, positions
 
 
-def reference_rope_write_kv(q, k, v, rope, k_cache, v_cache, slots, positions):
+def reference_rope_write_kv(q, k, v, rope, k_cache, v_cache, tables, slots, positions):
     """The model's torch path on CPU copies: (rotated q, k_cache, v_cache)."""
     from minedraft_ray.engine import model
 
-    q, k, v, rope, k_cache, v_cache, slots, positions = (t.cpu().clone() for t in (
-        q, k, v, rope, k_cache, v_cache, slots, positions))
-    return model.rope_write_kv(q, k, v, rope, k_cache, v_cache, slots, positions), k_cache, v_cache
+    q, k, v, rope, k_cache, v_cache, tables, slots, positions = (t.cpu().clone() for t in (
+        q, k, v, rope, k_cache, v_cache, tables, slots, positions))
+    return model.rope_write_kv(q, k, v, rope, k_cache, v_cache, tables, slots, positions), k_cache, v_cache
 
 
 def check_rope_write_kv(kernel, case):
-    q, k, v, rope, k_cache, v_cache, slots, positions = case
+    q, k, v, rope, k_cache, v_cache, tables, slots, positions = case
     before_k, before_v = k_cache.clone(), v_cache.clone()
     want_q, want_k, want_v = reference_rope_write_kv(*case)
     got_q = kernel(*case)
@@ -296,7 +317,8 @@ def check_rope_write_kv(kernel, case):
     assert torch.equal(got_q.cpu(), want_q)
     assert torch.equal(k_cache.cpu(), want_k) and torch.equal(v_cache.cpu(), want_v)
     written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
-    written[slots[:, None].expand_as(positions), positions] = True
+    block_size = k_cache.shape[1]
+    written[tables[slots[:, None], positions // block_size], positions % block_size] = True
     assert written.sum() == positions.numel()  # the reference wrote these rows and no others
     assert torch.equal(k_cache[~written], before_k[~written]) and torch.equal(v_cache[~written], before_v[~written])
     assert not torch.equal(k_cache[written], before_k[written])
@@ -361,9 +383,10 @@ def test_cuda_packed_matches_reference_at_8b_shape():
     requests = [(0, 0, 3000), (3, 1500, 700), (1, 0, 5), (7, 0, 300), (2, 0, 1), (5, 200, 64)]
     case = make_packed_case(requests, groups=4, head_dim=128, dtype=torch.bfloat16, kv_heads=8, rows=4106,
                             num_slots=8, device="cuda")
-    out = attend_packed_triton(*case, scale=128 ** -0.5)
+    out = paged(attend_packed_triton, case, 16, scale=128 ** -0.5)
     from minedraft_ray.engine.attention import attend_packed_reference
-    ref = attend_packed_reference(*(t.float() if t.is_floating_point() else t for t in case), scale=128 ** -0.5)
+    ref = paged(attend_packed_reference, [t.float() if t.is_floating_point() else t for t in case], 16,
+                scale=128 ** -0.5)
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
@@ -374,17 +397,18 @@ def test_cuda_packed_graph_replay_follows_new_requests():
     q, k_cache, v_cache, token_slots, positions = make_packed_case(
         [(0, 0, 40), (1, 10, 24)], groups=4, head_dim=64, dtype=torch.bfloat16, kv_heads=8, rows=256, device="cuda")
     k_cache.normal_(), v_cache.normal_()  # every slot live: the replay reads slots the capture did not
-    attend_packed_triton(q, k_cache, v_cache, token_slots, positions, 0.125)  # compile outside the capture
+    k_pool, v_pool, tables = paginate(k_cache, v_cache, 16)
+    attend_packed_triton(q, k_pool, v_pool, tables, token_slots, positions, 0.125)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = attend_packed_triton(q, k_cache, v_cache, token_slots, positions, 0.125)
+        out = attend_packed_triton(q, k_pool, v_pool, tables, token_slots, positions, 0.125)
     # same token count, another mix: three requests on other slots, one continuing at 200
     token_slots.copy_(torch.tensor([2] * 20 + [3] * 4 + [4] * 40, device="cuda"))
     positions.copy_(torch.cat([torch.arange(20), torch.arange(200, 204), torch.arange(40)]).cuda())
     graph.replay()
     from minedraft_ray.engine.attention import attend_packed_reference
-    ref = attend_packed_reference(q.float(), k_cache.float(), v_cache.float(), token_slots, positions, 0.125)
+    ref = attend_packed_reference(q.float(), k_pool.float(), v_pool.float(), tables, token_slots, positions, 0.125)
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
@@ -393,5 +417,5 @@ def test_packed_default_tiles_8b_heads(attend_packed_cpu):
     # the tiles a GPU launch uses (128 rows of bf16, head dim 128), blocks straddling four requests
     case = make_packed_case([(0, 0, 50), (2, 30, 9), (1, 0, 1), (3, 0, 40)], groups=4, head_dim=128,
                             dtype=torch.bfloat16, kv_heads=2, rows=80)
-    out = attend_packed_cpu(*case, scale=128 ** -0.5)
+    out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5)
     torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])

@@ -74,3 +74,20 @@ def test_psd_vs_sd_compares_channels_in_one_call(ray_cluster, tmp_path):
     rows = pq.read_table(tmp_path / "psd_vs_sd.parquet").to_pylist()
     assert sorted(r["transport"] for r in rows) == ["collective", "ray_collective"]
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_paged_kv_smoke(tmp_path):
+    """Concurrency, prefix cache (same tokens with and without it, hits with it) and decode rows of the paged-KV
+    bench."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "bench.paged_kv", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "paged_kv.parquet").to_pylist()
+    assert {r["part"] for r in rows} == {"concurrency", "prefix", "prefix tokens/s", "decode"}
+    prefix = {r["variant"]: r for r in rows if r["part"] == "prefix"}
+    assert prefix["cached"]["same_tokens"] and prefix["cached"]["hit_rate"] > 0 == prefix["uncached"]["hit_rate"]
+    concurrency = next(r for r in rows if r["part"] == "concurrency")
+    assert concurrency["peak_running"] > 0 and concurrency["slots_static"] > 0
+    assert all(r["step_ms"] > 0 for r in rows if r["part"] == "decode")
+    assert (tmp_path / "paged_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

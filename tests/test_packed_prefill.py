@@ -9,6 +9,8 @@ from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.runner import ModelRunner, plan_pieces
 from minedraft_ray.engine.sampling import SamplingParams
 
+from paging import paginate
+
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_mistral"]
 LENGTHS = [7, 1, 19, 4, 12]  # mixed, one single-token prompt
 # fp32 reduction-order noise: GEMMs of other token counts sum in another order (logits here reach ~10)
@@ -26,8 +28,8 @@ def _runner(model, **kw):
 
 
 def _kv(runner, slot, length):
-    return torch.stack([torch.stack([k[slot, :length], v[slot, :length]])
-                        for k, v in zip(runner.cache.k, runner.cache.v)])
+    return torch.stack([torch.stack(runner.cache.slot_kv(layer, slot, length))
+                        for layer in range(len(runner.cache.k))])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -118,7 +120,7 @@ def test_packed_reference_keeps_requests_apart():
     k_cache, v_cache = torch.randn(3, 8, 2, 4), torch.randn(3, 8, 2, 4)
     q = torch.randn(5, 4, 4)
     token_slots, positions = torch.tensor([2, 2, 2, 0, 0]), torch.tensor([0, 1, 2, 3, 4])
-    out = attend_packed_reference(q, k_cache, v_cache, token_slots, positions, 0.5)
+    out = attend_packed_reference(q, *paginate(k_cache, v_cache, block_size=2), token_slots, positions, 0.5)
     for t in range(5):
         k = k_cache[token_slots[t], :positions[t] + 1].repeat_interleave(2, dim=1)  # [L, Hq, D]
         v = v_cache[token_slots[t], :positions[t] + 1].repeat_interleave(2, dim=1)

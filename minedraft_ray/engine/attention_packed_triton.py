@@ -1,4 +1,4 @@
-"""Varlen (packed) prefill attention over the slot KV cache (Triton; no host sync, so CUDA-graph safe).
+"""Varlen (packed) prefill attention over the paged KV cache (Triton; no host sync, so CUDA-graph safe).
 
 Tokens of several requests lie back to back in one flat [T] run; token t sees keys 0..positions[t] of slot
 token_slots[t]. One program takes BLOCK_M consecutive (token, group member) rows of one KV head, so the
@@ -8,7 +8,8 @@ A block of rows may straddle a request boundary. The program then walks the dist
 (one pass each, smallest slot id first), every pass reading keys 0..max position of that slot's rows and
 masking the other rows out; the per-row softmax state carries over the passes. Inside one request the block
 reads only up to its last row's position, so causal work is skipped without a per-request launch plan, and
-the grid depends on T alone.
+the grid depends on T alone. Keys are read through the slot's block table, key by key (as in
+attention_triton.py), so tiles need not align with blocks.
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done
 
 @triton.jit
 def _attend_packed_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
     qk_scale, T, R,
     stride_qt, stride_qh,
-    stride_ks, stride_kn, stride_kh,
-    stride_vs, stride_vn, stride_vh,
-    G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_table,
+    BS: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0).to(tl.int64)
@@ -53,12 +55,16 @@ def _attend_packed_kernel(
         current = tl.min(tl.where(pending, slot, NO_SLOT), axis=0)
         mine = pending & (slot == current)
         live = tl.minimum(tl.max(tl.where(mine, pos, -1), axis=0) + 1, R)
-        k_base = k_ptr + current.to(tl.int64) * stride_ks + h * stride_kh
-        v_base = v_ptr + current.to(tl.int64) * stride_vs + h * stride_vh
+        table = table_ptr + current.to(tl.int64) * stride_table
+        k_base = k_ptr + h * stride_kh
+        v_base = v_ptr + h * stride_vh
         for n0 in range(0, live, BLOCK_N):
             n = n0 + offs_n
             kv_mask = (n < live)[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)
+            block = tl.load(table + n // BS, mask=n < live, other=0).to(tl.int64)  # [BLOCK_N] physical blocks
+            k_row = block * stride_kb + (n % BS) * stride_kn
+            v_row = block * stride_vb + (n % BS) * stride_vn
+            k = tl.load(k_base + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
             visible = mine[:, None] & (n[None, :] <= pos[:, None]) & (n < live)[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -68,7 +74,7 @@ def _attend_packed_kernel(
             p = tl.math.exp2(qk - m_safe[:, None])
             alpha = tl.math.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         pending = pending & (slot != current)
@@ -84,19 +90,22 @@ def launch_shape(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     return (128, 64, 8) if head_dim <= 128 and dtype.itemsize <= 2 else (64, 32, 4)
 
 
-def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_slots: torch.Tensor,
-                         positions: torch.Tensor, scale: float, *, block_m: int | None = None,
-                         block_n: int | None = None) -> torch.Tensor:
+def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         token_slots: torch.Tensor, positions: torch.Tensor, scale: float, *,
+                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Token t attends keys 0..positions[t] (inclusive) of slot token_slots[t].
 
-    q: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [S, R, Hkv, D]; token_slots, positions: [T] int64.
+    q: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks); block_tables:
+    [S, W] int64; token_slots, positions: [T] int64.
     Returns contiguous [T, Hq, D] in q's dtype. `block_m`/`block_n` override the tiles (tests use them to make
     blocks straddle requests on tiny shapes).
     """
     T, Hq, D = q.shape
-    _, R, Hkv, _ = k_cache.shape
+    _, BS, Hkv, _ = k_cache.shape
+    R = block_tables.shape[1] * BS  # positions a slot can hold
     assert Hq % Hkv == 0, f"{Hq} query heads do not group over {Hkv} kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert block_tables.stride(-1) == 1 and BS & (BS - 1) == 0, "block size must be a power of two"
     assert token_slots.shape == (T,) and positions.shape == (T,)
     token_slots, positions = token_slots.contiguous(), positions.contiguous()
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
@@ -106,12 +115,13 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     default_m, default_n, num_warps = launch_shape(D, q.dtype)
     block_m, block_n = block_m or default_m, block_n or default_n
     _attend_packed_kernel[(triton.cdiv(T * G, block_m), Hkv)](
-        q, k_cache, v_cache, token_slots, positions, out,
+        q, k_cache, v_cache, block_tables, token_slots, positions, out,
         scale * LOG2E, T, R,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        G=G, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        block_tables.stride(0),
+        BS=BS, G=G, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=2,
     )

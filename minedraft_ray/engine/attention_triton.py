@@ -1,4 +1,4 @@
-"""Flash-decoding attention over the slot KV cache (Triton; no host sync, so CUDA-graph safe).
+"""Flash-decoding attention over the paged KV cache (Triton; no host sync, so CUDA-graph safe).
 
 Stage 1 runs one program per (row, kv head, block of query rows, key split). A program stacks the
 qlen x G query rows that share one KV head, so each K/V tile is read once per KV head (GQA), and runs
@@ -6,6 +6,10 @@ an fp32 online softmax over its share of the row's live keys. The live length is
 (max position of the block + 1) and divided evenly among the splits, so no program touches the
 preallocated rows past it and splits with nothing to do exit at once. Stage 2 merges the splits by
 log-sum-exp. When one split is enough to fill the GPU, stage 1 writes the output directly.
+
+Keys are read through the slot's block table: each key of a tile looks up its block (`block_tables[slot,
+n // BS]`, a small cached load) and its row in it, so tiles need not align with blocks and any block size
+(a power of two) works.
 
 The grid depends only on shapes (B, qlen, heads, R), never on tensor values. Tile and launch choices
 live in one LaunchConfig (CONFIG), which MINEDRAFT_ATTN_CONFIG='{"BLOCK_N": 128, ...}' overrides at import;
@@ -46,13 +50,13 @@ CONFIG = config_from_env()
 
 @triton.jit
 def _attend_split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, out_ptr, o_part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr, o_part_ptr, lse_ptr,
     qk_scale, R, QLEN, NUM_SPLITS,
     stride_qb, stride_qi, stride_qh,
-    stride_ks, stride_kn, stride_kh,
-    stride_vs, stride_vn, stride_vh,
-    stride_pb,
-    G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_pb, stride_table,
+    BS: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -78,8 +82,9 @@ def _attend_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qi + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    k_base = k_ptr + slot * stride_ks + h * stride_kh
-    v_base = v_ptr + slot * stride_vs + h * stride_vh
+    table = table_ptr + slot * stride_table
+    k_base = k_ptr + h * stride_kh
+    v_base = v_ptr + h * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
@@ -88,7 +93,10 @@ def _attend_split_kernel(
     for n0 in range(start, end, BLOCK_N):  # empty when this split starts past the live length
         n = n0 + offs_n
         kv_mask = (n < end)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        block = tl.load(table + n // BS, mask=n < end, other=0).to(tl.int64)  # [BLOCK_N] physical blocks
+        k_row = block * stride_kb + (n % BS) * stride_kn
+        v_row = block * stride_vb + (n % BS) * stride_vn
+        k = tl.load(k_base + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = (n[None, :] <= pos[:, None]) & (n < end)[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -98,7 +106,7 @@ def _attend_split_kernel(
         p = tl.math.exp2(qk - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + v_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -152,20 +160,23 @@ def launch_shape(batch: int, qlen: int, q_heads: int, kv_heads: int, rows: int, 
     return block_m, block_n, max(1, splits)
 
 
-def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                  positions: torch.Tensor, scale: float, *, num_splits: int | None = None,
+def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  slots: torch.Tensor, positions: torch.Tensor, scale: float, *, num_splits: int | None = None,
                   block_n: int | None = None, config: LaunchConfig | None = None) -> torch.Tensor:
     """Query (b, i) attends keys 0..positions[b, i] (inclusive) of slot slots[b].
 
-    q: [B, qlen, Hq, D] (last dim contiguous); k_cache, v_cache: [S, R, Hkv, D]; slots: [B] int64;
-    positions: [B, qlen] int64. Returns [B, qlen, Hq, D] in q's dtype. `config` replaces CONFIG;
+    q: [B, qlen, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks);
+    block_tables: [S, W] int64 (blocks of each slot); slots: [B] int64; positions: [B, qlen] int64.
+    Returns [B, qlen, Hq, D] in q's dtype. `config` replaces CONFIG;
     `num_splits`/`block_n` override it (tests use them to cover both paths on tiny shapes).
     """
     B, qlen, Hq, D = q.shape
-    _, R, Hkv, _ = k_cache.shape
+    _, BS, Hkv, _ = k_cache.shape
+    R = block_tables.shape[1] * BS  # positions a slot can hold
     assert Hq % Hkv == 0, f"{Hq} query heads do not group over {Hkv} kv heads"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape == (B,) and positions.shape == (B, qlen) and positions.stride(-1) == 1
+    assert block_tables.stride(-1) == 1 and BS & (BS - 1) == 0, "block size must be a power of two"
     G = Hq // Hkv
     out = torch.empty((B, qlen, Hq, D), dtype=q.dtype, device=q.device)
     if B == 0 or qlen == 0:
@@ -185,13 +196,13 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_d = triton.next_power_of_2(D)
     num_warps = config.num_warps or (8 if block_m * block_d >= 64 * 128 else 4)
     _attend_split_kernel[(B, Hkv * triton.cdiv(qlen * G, block_m), num_splits)](
-        q, k_cache, v_cache, slots, positions, out, o_part, lse,
+        q, k_cache, v_cache, block_tables, slots, positions, out, o_part, lse,
         scale * LOG2E, R, qlen, num_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        positions.stride(0),
-        G=G, HQ=Hq, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        positions.stride(0), block_tables.stride(0),
+        BS=BS, G=G, HQ=Hq, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=config.num_stages,
     )

@@ -1,17 +1,50 @@
-"""Preallocated per-request KV slots with per-slot lengths on the device.
+"""Paged KV cache: a pool of fixed-size blocks, a block table per slot, per-slot lengths on the device.
 
-Rolling back rejected tokens is `lengths[slot] -= n`: the stale K/V rows stay in place and are
-overwritten by the next append, so no copies happen on rejection.
+A slot is a row of the block table (one request's sequence); position p of slot s lives in row p % block_size
+of block `block_tables[s, p // block_size]`. Blocks are handed to a slot as it grows (`reserve`) and back to
+the pool when it is done (`release`); the attention and K/V-write kernels read the table, so a CUDA graph
+captured once serves any assignment of blocks (the table is a fixed device tensor updated in place).
+
+Rolling back rejected tokens is still `lengths[slot] -= n`: the stale K/V rows stay in the slot's blocks
+(which it keeps) and are overwritten by the next append, across block boundaries too, so no copies happen
+on rejection.
+
+Block 0 is never handed out (`NULL_BLOCK`): unmapped table entries point at it, so padding rows of a graph
+(on the scratch slot, whose table is all null) and padding tokens past a row's reservation write there and
+never into a block someone owns. Nothing real reads it: a request reads only positions it has reserved.
+
+`static=True` reserves every slot's full `max_len + HEADROOM` up front: the memory and layout of the former
+contiguous cache, for callers that do not manage blocks (and as the comparison in benchmarks).
+
+Prefix caching (`prefix_caching=True`): a full block whose K/V is final (`register`) is keyed by a hash chain
+of the tokens up to its end (sha256 of the previous block's key and its own tokens, so a key names the whole
+prefix and cannot be forged by choosing tokens). A new request maps the longest run of cached blocks its
+tokens start with (`match`, `adopt`) and computes only the rest. Shared blocks are never written: only full
+blocks that lie below every position a request may still write are registered or matched (the caller bounds
+both), so a request that diverges inside a block computes that block afresh in its own. A block nobody holds
+stays cached and idle until the pool needs it; idle blocks are evicted least recently used first.
 """
+
 from __future__ import annotations
 
+import hashlib
+import math
+from collections import OrderedDict, deque
+
+import numpy as np
 import torch
 
 MAX_K = 8  # longest draft the cache reserves headroom for (verify writes k+1 rows past the length)
 HEADROOM = MAX_K + 2
+DEFAULT_BLOCK_SIZE = 16
+NULL_BLOCK = 0
 
 
 class SlotsExhaustedError(RuntimeError):
+    pass
+
+
+class BlocksExhaustedError(RuntimeError):
     pass
 
 
@@ -19,56 +52,234 @@ class CacheSizeError(ValueError):
     pass
 
 
-class KVCache:
-    """K/V for `num_slots` requests of up to `max_len` tokens each.
+class BlockPool:
+    """Host bookkeeping of the physical blocks: a free list and a reference count per block.
 
-    k[l], v[l]: [S, R, Hkv, D] with R = max_len + HEADROOM; lengths: [S] int64 (tokens valid per slot).
+    A block is free at count 0. Counts above 1 are blocks shared by several slots (prefix caching).
+    """
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 2:
+            raise CacheSizeError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = np.zeros(num_blocks, dtype=np.int64)
+        self.refcount[NULL_BLOCK] = 1  # held forever
+        self._free = deque(range(1, num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise BlocksExhaustedError(f"{n} KV blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
+        blocks = [self._free.popleft() for _ in range(n)]
+        self.refcount[blocks] = 1
+        return blocks
+
+    def incref(self, block: int) -> None:
+        self.refcount[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """Drop one reference; True when the block is now unreferenced (the caller frees or caches it)."""
+        if block == NULL_BLOCK or self.refcount[block] <= 0:
+            raise ValueError(f"block {block} is not held")
+        self.refcount[block] -= 1
+        return self.refcount[block] == 0
+
+    def put_back(self, block: int) -> None:
+        assert self.refcount[block] == 0, f"block {block} still referenced"
+        self._free.append(block)
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class KVCache:
+    """K/V for `num_slots` sequences of up to `max_len` tokens each, in `num_blocks` blocks of `block_size`.
+
+    k[l], v[l]: [num_blocks, block_size, Hkv, D]; block_tables: [S, W] int64 with W = blocks per slot at
+    max_len + HEADROOM; lengths: [S] int64 (tokens valid per slot).
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        self.num_slots, self.max_len = num_slots, max_len
-        rows = max_len + HEADROOM
-        shape = (num_slots, rows, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_blocks: int | None = None, static: bool = False, prefix_caching: bool = False):
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.num_slots, self.max_len, self.block_size = num_slots, max_len, block_size
+        self.device = torch.device(device)
+        self.blocks_per_slot = math.ceil((max_len + HEADROOM) / block_size)
+        if num_blocks is None or static:
+            num_blocks = num_slots * self.blocks_per_slot + 1
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((num_slots, self.blocks_per_slot), NULL_BLOCK, dtype=torch.int64,
+                                       device=device)
+        self.pool = BlockPool(num_blocks)
+        self.held: list[list[int]] = [[] for _ in range(num_slots)]  # blocks of each slot, in table order
+        self.static = static
+        self.prefix_caching = prefix_caching and not static
+        self.cached: dict[bytes, int] = {}             # prefix key -> block holding that prefix's last block
+        self.block_key: dict[int, bytes] = {}          # block -> its key, for blocks in `cached`
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, least recently used first
+        self.slot_keys: list[list[bytes]] = [[] for _ in range(num_slots)]  # keys of each slot's leading blocks
+        self.hit_tokens = self.query_tokens = 0        # prefix-cache counters (tokens matched / looked up)
+        if static:
+            for slot in range(num_slots):
+                self.reserve(slot, self.blocks_per_slot * block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return min(math.ceil(num_tokens / self.block_size), self.blocks_per_slot)
+
+    def blocks_missing(self, slot: int, num_tokens: int) -> int:
+        """Blocks `reserve(slot, num_tokens)` would take from the pool."""
+        return max(0, self.blocks_for(num_tokens) - len(self.held[slot]))
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a reservation can take: free ones and idle cached ones (evicted on demand)."""
+        return self.pool.num_free + len(self.idle)
+
+    def _take(self, n: int) -> list[int]:
+        """n blocks from the free list, evicting idle cached blocks (least recently used first) when it runs dry."""
+        while self.pool.num_free < n and self.idle:
+            block, _ = self.idle.popitem(last=False)
+            del self.cached[self.block_key.pop(block)]
+            self.pool.put_back(block)
+        return self.pool.alloc(n)
+
+    def reserve(self, slot: int, num_tokens: int) -> None:
+        """Map positions [0, num_tokens) of `slot` (capped at the slot's table), taking blocks from the pool
+        as needed; all or nothing: BlocksExhaustedError leaves the slot as it was."""
+        self.reserve_many([slot], [num_tokens])
+
+    def reserve_many(self, slots: list[int], num_tokens: list[int]) -> None:
+        """`reserve` for several slots, all or nothing, with one table copy to the device."""
+        missing = [self.blocks_missing(s, n) for s, n in zip(slots, num_tokens)]
+        if sum(missing) > self.num_available:
+            raise BlocksExhaustedError(f"{sum(missing)} KV blocks wanted, {self.num_available} available")
+        rows, cols, ids = [], [], []
+        for slot, n in zip(slots, missing):
+            if n:
+                start = len(self.held[slot])
+                new = self._take(n)
+                self.held[slot].extend(new)
+                rows += [slot] * n
+                cols += range(start, start + n)
+                ids += new
+        if ids:
+            self._write_table(rows, cols, ids)
+
+    def release(self, slot: int) -> list[int]:
+        """Give every block of `slot` back (its length goes to 0); returns the blocks that became unreferenced
+        (already back in the pool)."""
+        if self.static:
+            self.lengths[slot] = 0
+            return []
+        freed = []
+        # the slot's last blocks first: when the pool runs short, a prefix's tail is evicted before its head
+        for b in reversed(self.held[slot]):
+            if self.pool.decref(b):
+                if b in self.block_key:
+                    self.idle[b] = None
+                else:
+                    self.pool.put_back(b)
+                    freed.append(b)
+        count = len(self.held[slot])
+        self.held[slot] = []
+        self.slot_keys[slot] = []
+        if count:
+            self._write_table([slot] * count, list(range(count)), [NULL_BLOCK] * count)
+        return freed
+
+    # ---- prefix caching -------------------------------------------------------------------------
+    @staticmethod
+    def _key(previous: bytes, tokens) -> bytes:
+        return hashlib.sha256(previous + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
+
+    def match(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Cached blocks holding the longest run of full blocks `tokens` starts with, within its first
+        `max_tokens` tokens (counted in `hit_tokens` / `query_tokens`)."""
+        blocks, key, bs = [], b"", self.block_size
+        if self.prefix_caching:
+            for i in range(min(max_tokens, len(tokens)) // bs):
+                key = self._key(key, tokens[i * bs:(i + 1) * bs])
+                block = self.cached.get(key)
+                if block is None:
+                    break
+                blocks.append(block)
+            self.query_tokens += max(max_tokens, 0)
+            self.hit_tokens += len(blocks) * bs
+        return blocks
+
+    def adopt(self, slot: int, blocks: list[int]) -> int:
+        """Map an empty slot's leading positions to cached `blocks` (from `match`); returns the tokens mapped."""
+        if not blocks:
+            return 0
+        assert not self.held[slot], f"slot {slot} already holds blocks"
+        for b in blocks:
+            self.pool.incref(b)
+            self.idle.pop(b, None)
+        self.held[slot] = list(blocks)
+        self.slot_keys[slot] = [self.block_key[b] for b in blocks]
+        self._write_table([slot] * len(blocks), list(range(len(blocks))), blocks)
+        return len(blocks) * self.block_size
+
+    def register(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """The slot's K/V of `tokens[:num_tokens]` is final (never written again): cache its full blocks in that
+        range. A prefix already cached in another block keeps that one."""
+        if not self.prefix_caching:
+            return
+        keys, held, bs = self.slot_keys[slot], self.held[slot], self.block_size
+        for i in range(len(keys), min(num_tokens // bs, len(held))):
+            key = self._key(keys[-1] if keys else b"", tokens[i * bs:(i + 1) * bs])
+            keys.append(key)
+            if key not in self.cached and held[i] not in self.block_key:
+                self.cached[key] = held[i]
+                self.block_key[held[i]] = key
+
+    def _write_table(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
+        # advanced-index put: one small host-to-device copy of the changed entries
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+        values = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.block_tables.index_put_((index[0], index[1]), values)
+
+    def slot_kv(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of `slot` in `layer`, gathered contiguous: ([length, Hkv, D], same)."""
+        n = math.ceil(length / self.block_size)
+        blocks = self.block_tables[slot, :n]
+        flat = (lambda t: t[blocks].flatten(0, 1)[:length])
+        return flat(self.k[layer]), flat(self.v[layer])
+
+    def check_blocks(self) -> None:
+        """Consistency of the host bookkeeping (tests): every block's reference count equals its holders (never
+        negative), and every block is exactly one of: held, idle in the prefix cache, free (none is lost)."""
+        holders = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        holders[NULL_BLOCK] = 1
+        for blocks in self.held:
+            assert len(set(blocks)) == len(blocks), "a slot holds a block twice"
+            np.add.at(holders, np.asarray(blocks, dtype=np.int64), 1)
+        assert (self.pool.refcount >= 0).all(), "negative reference count"
+        assert np.array_equal(self.pool.refcount, holders), "reference counts differ from holders"
+        free, idle = list(self.pool._free), set(self.idle)
+        assert len(set(free)) == len(free), "a block is on the free list twice"
+        held = set(np.flatnonzero(holders).tolist())
+        assert not (held & idle) and not (held & set(free)) and not (idle & set(free)), "a block is in two states"
+        assert held | idle | set(free) == set(range(self.pool.num_blocks)), "a block was lost"
+        assert all(b in self.block_key for b in idle), "an idle block is not cached"
+        assert set(self.block_key) == set(self.cached.values()), "cache index and block keys disagree"
 
     @staticmethod
     def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * num_layers * (max_len + HEADROOM) * num_kv_heads * head_dim * elem
-
-    @classmethod
-    def fit_num_slots(cls, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device | str, requested: int | None, memory_fraction: float = 0.9,
-                      reserve_bytes: int = 0) -> int:
-        """Slots that fit in free device memory (or `requested`, checked against it).
-
-        Raises CacheSizeError naming what fits when the request cannot be met.
-        """
-        per_slot = cls.bytes_per_slot(num_layers, max_len, num_kv_heads, head_dim, dtype)
-        device = torch.device(device)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * memory_fraction) - reserve_bytes
-        else:  # CPU: host memory is not the constraint we size for; honour the request
-            budget = None
-        if budget is not None:
-            fits = max(budget // per_slot, 0)
-            if requested is None:
-                if fits < 1:
-                    raise CacheSizeError(
-                        f"no KV slot of max_len={max_len} fits in free device memory "
-                        f"({budget / 2**30:.2f} GiB available, {per_slot / 2**20:.1f} MiB per slot); lower max_len")
-                return int(fits)
-            if requested > fits:
-                raise CacheSizeError(
-                    f"{requested} KV slots of max_len={max_len} need {requested * per_slot / 2**30:.2f} GiB, "
-                    f"but only {fits} slots ({budget / 2**30:.2f} GiB) fit; lower num_slots or max_len")
-        if requested is None:
-            raise CacheSizeError("num_slots must be given explicitly on a CPU device")
-        return requested
+        return (max_len + HEADROOM) * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
 
 class SlotAllocator:

@@ -1,4 +1,4 @@
-"""A lean decoder for Llama / Qwen2 / Qwen3 / Mistral checkpoints over the slot KV cache.
+"""A lean decoder for Llama / Qwen2 / Qwen3 / Mistral checkpoints over the paged KV cache.
 
 q/k/v and gate/up projections are fused into one matmul each (loader.py fills the slices); RoPE cos/sin
 are precomputed once in fp32 and read by position, so a forward step has no host sync and no
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attend, attend_packed, triton_op, write_kv
-from .kv_cache import HEADROOM, KVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM, KVCache
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -215,19 +215,21 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def rope_write_kv(q, k, v, rope_cache, k_cache, v_cache, slots, positions) -> torch.Tensor:
+def rope_write_kv(q, k, v, rope_cache, k_cache, v_cache, block_tables, slots, positions) -> torch.Tensor:
     """RoPE on q and k at their positions, k and v into the cache; returns rotated q [N, Hq, D].
 
     q: [N, Hq, D], k, v: [N, Hkv, D] (N = B*q, last dim contiguous); rope_cache: [P, D] fp32 (cos | sin);
-    k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q]. On CUDA one Triton kernel does it all
+    k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [S, W]; slots: [B]; positions: [B, q]. On CUDA one
+    Triton kernel does it all
     (rope_kv_triton.py; the same bits as the torch path below run eagerly, which CPU does and tests compare to).
     """
     if q.is_cuda and FUSE_ON_CUDA and ROPE_KV_KERNEL and (kernel := triton_op("rope_kv_triton", "rope_write_kv")) is not None:
-        return kernel(q, k, v, rope_cache, k_cache, v_cache, slots, positions)
+        return kernel(q, k, v, rope_cache, k_cache, v_cache, block_tables, slots, positions)
     B, T = positions.shape
     cos, sin = rope_cache[positions.flatten()].unsqueeze(1).chunk(2, dim=-1)  # [N, 1, D/2] each
     q, k = rope_qk(q, k, cos, sin)
-    write_kv(k_cache, v_cache, slots, positions, k.view(B, T, *k.shape[1:]), v.reshape(B, T, *v.shape[1:]))
+    write_kv(k_cache, v_cache, block_tables, slots, positions, k.view(B, T, *k.shape[1:]),
+             v.reshape(B, T, *v.shape[1:]))
     return q
 
 
@@ -268,8 +270,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, rope_cache, k_cache, v_cache, slots, positions, packed: bool = False):
-        # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [S, R, Hkv, D]; slots: [B]; positions: [B, q].
+    def forward(self, x, rope_cache, k_cache, v_cache, block_tables, slots, positions, packed: bool = False):
+        # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [S, W];
+        # slots: [B]; positions: [B, q].
         # packed: N tokens of several requests back to back, slots [N] and positions [N, 1] per token
         B, T = positions.shape
         N, D = x.shape[0], self.head_dim
@@ -278,11 +281,13 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, D))
             k = self.k_norm(k.reshape(-1, D))
         q = rope_write_kv(q.reshape(N, self.num_heads, D), k.reshape(N, self.num_kv_heads, D),
-                          v.reshape(N, self.num_kv_heads, D), rope_cache, k_cache, v_cache, slots, positions)
+                          v.reshape(N, self.num_kv_heads, D), rope_cache, k_cache, v_cache, block_tables, slots,
+                          positions)
         if packed:
-            out = attend_packed(q, k_cache, v_cache, slots, positions[:, 0], self.scale)  # [N, Hq, D]
+            out = attend_packed(q, k_cache, v_cache, block_tables, slots, positions[:, 0], self.scale)  # [N, Hq, D]
         else:
-            out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, slots, positions, self.scale)  # [B, q, Hq, D]
+            out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, block_tables, slots, positions,
+                         self.scale)  # [B, q, Hq, D]
         return self.o_proj(out.reshape(N, self.q_size))
 
 
@@ -304,16 +309,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, rope_cache, k_cache, v_cache, slots, positions, packed: bool = False):
+    def forward(self, x, residual, rope_cache, k_cache, v_cache, block_tables, slots, positions,
+                packed: bool = False):
         # x: [N, H] this layer's input delta; residual: [N, H] the stream before it (None at layer 0)
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope_cache, k_cache, v_cache, slots, positions, packed)
+        x = self.self_attn(x, rope_cache, k_cache, v_cache, block_tables, slots, positions, packed)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
-    """Decoder over a slot KV cache. `forward` writes K/V but never advances `cache.lengths`."""
+    """Decoder over a paged KV cache. `forward` writes K/V but never advances `cache.lengths`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -333,7 +339,8 @@ class Transformer(nn.Module):
         positions = cache.lengths[slots][:, None] + torch.arange(T, device=input_ids.device)  # [B, q]
         x, residual = self.embed_tokens(input_ids.flatten()), None  # tokens flattened: [N = B*q, H]
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], slots, positions)
+            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], cache.block_tables, slots,
+                                positions)
         x, _ = self.norm(x, residual)
         return x.view(B, T, -1)
 
@@ -346,8 +353,8 @@ class Transformer(nn.Module):
         positions = (cache.lengths[token_slots] + offsets)[:, None]  # [T, 1]: one query per "row"
         x, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], token_slots, positions,
-                                packed=True)
+            x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], cache.block_tables,
+                                token_slots, positions, packed=True)
         x, _ = self.norm(x, residual)
         return x
 
@@ -356,9 +363,13 @@ class Transformer(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def make_cache(self, num_slots: int, max_len: int, device=None) -> KVCache:
-        """A KV cache shaped for this model (in its dtype, on its device unless `device` is given)."""
+    def make_cache(self, num_slots: int, max_len: int, device=None, block_size: int = DEFAULT_BLOCK_SIZE,
+                   num_blocks: int | None = None) -> KVCache:
+        """A KV cache shaped for this model (in its dtype, on its device unless `device` is given). Without
+        `num_blocks`, every slot holds blocks for its whole max_len from the start (static); with it, a pool of
+        that many blocks that the caller hands out (`KVCache.reserve`)."""
         device = device if device is not None else self.embed_tokens.weight.device
         cfg = self.cfg
         return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                       self.embed_tokens.weight.dtype, device)
+                       self.embed_tokens.weight.dtype, device, block_size=block_size, num_blocks=num_blocks,
+                       static=num_blocks is None)

@@ -80,6 +80,8 @@ class Request:
         self.finish_reason: str | None = None
         self.slot: int | None = None
         self.draft_valid = 0      # tokens of the sequence known to be in the drafter's slot
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (re)admission
+        self.num_preemptions = 0
         self.stats = RequestStats(arrival=time.perf_counter())
 
     @property

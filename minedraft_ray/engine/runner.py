@@ -1,8 +1,13 @@
-"""ModelRunner: one model and its KV slots on one device.
+"""ModelRunner: one model and its paged KV cache on one device.
 
 `step` runs q tokens for a batch of slots. On CUDA it replays a CUDA graph captured per
 (batch bucket, q); rows padding a batch up to its bucket point at a scratch slot that no
-request owns, so the graph never needs to know how many rows are real.
+request owns (its block table is all null block), so the graph never needs to know how many rows are real.
+The graphs read the block table from its fixed device tensor, so they serve any assignment of blocks.
+
+Blocks: with `num_blocks` the cache is a pool and the caller maps each slot's positions before writing them
+(`reserve`: the tokens a step appends, plus what a verify writes past them) and gives them back when the
+request ends (`release`); without it every slot holds its full max_len from the start (`static`).
 
 `prefill` and `extend` pack the prompts by default: every list's tokens back to back in one flat run
 with per-token slot and offset (positions continue each slot's cache length), no padding. The run is cut
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from .attention import triton_op
-from .kv_cache import KVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -130,23 +135,25 @@ def relayout_weights_(model: Transformer, names: tuple[str, ...]) -> None:
 class ModelRunner:
     def __init__(self, model: Transformer, device: torch.device | str, num_slots: int, max_len: int,
                  max_batch: int, cuda_graphs: bool = True, vocab_limit: int | None = None,
-                 packed_prefill: bool = True, max_prefill_tokens: int = PREFILL_TOKEN_BUDGET):
+                 packed_prefill: bool = True, max_prefill_tokens: int = PREFILL_TOKEN_BUDGET,
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None, prefix_caching: bool = False):
         self.model, self.device = model, torch.device(device)
         self.cfg = model.cfg
         if self.device.type == "cuda":
             relayout_weights_(model, TRANSPOSED_WEIGHTS)
         self.max_len, self.max_batch = max_len, max_batch
         self.vocab = min(vocab_limit or self.cfg.vocab_size, self.cfg.vocab_size)
-        # one extra slot: the scratch slot that padding rows write into
+        # one extra slot: the scratch slot that padding rows write into (never reserved in a pool: the null block)
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(self.cfg.num_layers, num_slots + 1, max_len, self.cfg.num_kv_heads, self.cfg.head_dim,
-                             dtype, self.device)
+                             dtype, self.device, block_size=block_size, num_blocks=num_blocks,
+                             static=num_blocks is None, prefix_caching=prefix_caching)
         self.num_slots, self.scratch_slot = num_slots, num_slots
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         # (rows, padded length) -> graph; a padded prompt writes K/V rows up to its padded length
-        rows = self.cache.k[0].shape[1]
+        rows = self.cache.blocks_per_slot * self.cache.block_size
         self.prefill_shapes = [(b, n) for b in PREFILL_GRAPH_ROWS for n in PREFILL_GRAPH_LENS
                                if n <= rows and b <= max(max_batch, 1) and b * n <= PREFILL_GRAPH_TOKENS
                                ] if self.use_graphs else []
@@ -355,9 +362,14 @@ class ModelRunner:
         return self.model.compute_logits(last)[..., :self.vocab]
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None) -> torch.Tensor:
+    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None,
+                cached: list[int] | None = None) -> torch.Tensor:
         """Start fresh slots with their prompts: [B, V] logits of each prompt's last token (padded path on
-        CUDA: a graph's buffer when the prompts fit a captured shape: use it before the next step)."""
+        CUDA: a graph's buffer when the prompts fit a captured shape: use it before the next step). `cached`:
+        tokens at the start of each prompt whose K/V the slot already holds (a prefix-cache hit), not recomputed."""
+        if cached is not None and any(cached):
+            self.set_lengths(slots, cached)
+            return self.extend(slots, [p[c:] for p, c in zip(prompts, cached)], packed=packed)
         self.set_lengths(slots, [0] * len(slots))
         if self.packed_prefill if packed is None else packed:
             return self.extend(slots, prompts, packed=True)
@@ -375,7 +387,25 @@ class ModelRunner:
         self.cache.lengths.index_add_(0, bufs["slots"][:len(slots)], bufs["lens"][:len(slots)])
         return bufs["logits"][:len(slots)]
 
-    # ---- lengths -------------------------------------------------------------------------------
+    # ---- blocks and lengths --------------------------------------------------------------------
+    def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
+        """Map positions [0, num_tokens[i]) of slots[i] to blocks before they are written (all or nothing;
+        kv_cache.BlocksExhaustedError when the pool cannot)."""
+        self.cache.reserve_many(slots, num_tokens)
+
+    def release(self, slot: int) -> None:
+        """The request on `slot` is done: its blocks go back to the pool (cached ones stay cached, idle)."""
+        self.cache.release(slot)
+
+    def adopt_prefix(self, slot: int, tokens: list[int], max_tokens: int) -> int:
+        """Map the longest cached prefix of `tokens` (whole blocks, within max_tokens) into the empty `slot`;
+        returns how many tokens it holds now (0 without prefix caching)."""
+        return self.cache.adopt(slot, self.cache.match(tokens, max_tokens))
+
+    def register_prefix(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """The slot's K/V of tokens[:num_tokens] is final: offer its full blocks to the prefix cache."""
+        self.cache.register(slot, tokens, num_tokens)
+
     def set_lengths(self, slots, lengths) -> None:
         self.cache.lengths.index_copy_(0, to_device(slots, self.device), to_device(lengths, self.device))
 

@@ -130,9 +130,10 @@ class Verifier:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]], batch: SamplingBatch,
-                num_logprobs: int = 0) -> VerifyResult:
-        """Prefill fresh slots and sample each request's first token (output position 0)."""
-        logits = self.runner.prefill(slots, prompts)                     # [B, V]
+                num_logprobs: int = 0, cached: list[int] | None = None) -> VerifyResult:
+        """Prefill fresh slots and sample each request's first token (output position 0). `cached`: tokens of
+        each prompt the slot already holds (prefix cache), not recomputed."""
+        logits = self.runner.prefill(slots, prompts, cached=cached)      # [B, V]
         positions = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
         first = sample(logits, batch, positions)                         # [B]
         lp = logprobs_topk(logits[:, None], batch, first[:, None], num_logprobs) if num_logprobs else None
