@@ -21,6 +21,7 @@ The GPU machine gets the tree without .git: pass GIT_SHA=<sha> in the environmen
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import sys
@@ -98,6 +99,9 @@ def prefix(model: str, device, settings: dict) -> list[dict]:
                          max_len=engine.max_len, ttft_ms=statistics.median(ttfts),
                          tokens_per_s=sum(len(o.token_ids) for o in outs) / wall, hit_rate=stats["hit_rate"]))
         del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     for row in rows:
         row["same_tokens"] = results[True] == results[False]
     rows[0]["ratio"], rows[1]["ratio"] = 1.0, rows[1]["ttft_ms"] / rows[0]["ttft_ms"]
@@ -160,6 +164,13 @@ def main(argv=None) -> None:
             row.update(git_sha=sha, command=command, device=device_str)
         say(markdown_table(new, TABLE_COLUMNS))
         rows += new
+        write(rows, out_dir, command, device_str, settings)   # each part's rows kept should a later one fail
+        gc.collect()   # the part's engine (graphs, pool) sits in reference cycles: free it before the next sizes its pool
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def write(rows: list[dict], out_dir, command: str, device_str: str, settings: dict) -> None:
     notes = [versions(), f"model {settings['model']}, mode ar, bf16 on CUDA (fp32 on the CPU)",
              f"concurrency: {settings['requests']} long-tailed requests at max_len {settings['max_len']}, "
              f"max_batch {settings['max_batch']}, gpu_memory_utilization {settings['utilization']}; slots_static = "
