@@ -118,6 +118,11 @@ def test_each_rank_loads_only_its_shard(tiny_qwen2):
     assert run_ranks(2, rank) == [True, True]
 
 
+def test_min_across_ranks():
+    """What sizes the target's KV on every rank: the least free memory of all of them (runtime/workers.py)."""
+    assert run_ranks(3, lambda tp: tp.min_across_ranks([70, 30, 50][tp.rank])) == [30, 30, 30]
+
+
 def test_heads_must_divide_by_tp(tiny_llama):
     with pytest.raises(ValueError, match="num_attention_heads .* not divisible by the tensor-parallel size 3"):
         run_ranks(3, lambda tp: load_model(tiny_llama, "cpu", tp=tp))

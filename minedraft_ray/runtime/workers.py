@@ -19,6 +19,7 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.engine import default_device
+from ..engine.kv_cache import CacheSizeError, KVCache
 from ..engine.loader import check_pair, load_model
 from ..engine.parallel import ShardedRunner, TensorParallel
 from ..engine.presets import resolve_model
@@ -30,6 +31,9 @@ from .link import PeerLink
 from .rendezvous import Rendezvous
 
 log = logging.getLogger("minedraft.runtime")
+
+# share of a GPU's free memory the target's KV slots may take (the rest: activations, graphs, the sampler's buffers)
+KV_MEMORY_FRACTION = 0.9
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -214,11 +218,28 @@ class _Worker:
         self.tp = TensorParallel.connect(group.join(), rank, self.config.tp, self.device, _node_ip(),
                                          self.config.step_timeout_s)
         model = load_model(self.target_dir, self.device, self.dtype, tp=self.tp)
+        self._check_kv_fits(model)
         runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                                tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit)
         if rank == 0:
             runner.capture_all(step_widths)
         return runner
+
+    def _check_kv_fits(self, model) -> None:
+        """A tensor-parallel rank's KV slots must fit on every rank's GPU, rank 0's included, which in sd also holds
+        the drafter (loaded before the target): every rank checks the least free memory of all ranks, so all of
+        them fail together rather than one failing and the others waiting for it."""
+        if self.device.type != "cuda":
+            return
+        cfg = model.cfg
+        per_slot = KVCache.bytes_per_slot(cfg.num_layers, self.config.max_len, model.num_kv_heads, cfg.head_dim,
+                                          next(model.parameters()).dtype)
+        free = self.tp.min_across_ranks(torch.cuda.mem_get_info(self.device)[0])
+        slots = self.num_slots + 1   # the runner's scratch slot
+        if int(free * KV_MEMORY_FRACTION) < slots * per_slot:
+            raise CacheSizeError(f"{slots} KV slots of max_len={self.config.max_len} need "
+                                 f"{slots * per_slot / 2**30:.2f} GiB on each of the target's {self.config.tp} GPUs, "
+                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or max_len")
 
     def ready(self) -> dict:
         # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
@@ -290,10 +311,15 @@ class VerifierWorker(_Worker):
     def __init__(self, config: dict, num_slots: int, tp_group: Rendezvous | None = None):
         """tp_group: where the target's ranks meet (tp > 1); this actor is rank 0."""
         super().__init__(config, num_slots)
+        self._load_beside_target()
         # verify steps are k + 1 wide, or 1 when no row carries drafts
         self.verifier = Verifier(self._target_runner(tp_group, 0, (self.config.k + 1, 1)))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
+
+    def _load_beside_target(self) -> None:
+        """What shares this actor's GPU with the target, loaded first so that the target's KV check sees what it
+        leaves free (SpecWorker: the drafter)."""
 
     def open_link(self, generation: int) -> tuple[str, int]:
         """The collective channel: listen for the drafter of `generation` -> (host, port) for it to join."""
@@ -524,6 +550,8 @@ class SpecWorker(VerifierWorker):
 
     def __init__(self, config: dict, num_slots: int, tp_group: Rendezvous | None = None):
         super().__init__(config, num_slots, tp_group)
+
+    def _load_beside_target(self) -> None:
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
