@@ -77,3 +77,14 @@ def test_a_dead_peer_fails_a_waiting_receive_at_once():
     proc.join(10)
     with pytest.raises(RuntimeError):
         link.recv((2, 3), torch.int64, 2)   # and the link stays failed
+
+
+def test_the_rendezvous_store_listens_on_its_host_only():
+    """The verifier's store (and the tensor-parallel ranks', runtime/rendezvous.py) listens on the address given,
+    not on every interface as a plain TCPStore does."""
+    import psutil
+    link, port = PeerLink.listen(1, HOST, 5.0)
+    listening = [c.laddr for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert [a.ip for a in listening] == [HOST]
+    link.close()

@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .rendezvous import Rendezvous, host_store
+
 
 class PeerLink:
     VERIFIER, DRAFTER = 0, 1   # ranks
@@ -44,16 +46,17 @@ class PeerLink:
         """The verifier's end: a rendezvous store on a free port, connected in the background (the drafter
         joins after this returns) -> (link, port)."""
         link = cls(cls.VERIFIER, generation, timeout_s)
-        link._store = dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        threading.Thread(target=link._connect, args=(link._store, host), daemon=True,
-                         name=f"peer-link-{generation}").start()
-        return link, link._store.port
+        # the store listens on `host` only (torch's own binds every interface)
+        link._store, rendezvous = host_store(host, f"link{generation}", timeout_s)
+        threading.Thread(target=link._connect, args=(dist.PrefixStore(rendezvous.group, link._store), host),
+                         daemon=True, name=f"peer-link-{generation}").start()
+        return link, rendezvous.port
 
     @classmethod
     def join(cls, generation: int, host: str, port: int, timeout_s: float) -> "PeerLink":
         """The drafter's end: connects to the verifier's store and waits until the link is up."""
         link = cls(cls.DRAFTER, generation, timeout_s)
-        link._connect(dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=timeout_s)), host)
+        link._connect(Rendezvous(host, port, f"link{generation}", timeout_s).join(), host)
         link.wait_ready()
         return link
 
