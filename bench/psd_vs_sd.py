@@ -311,7 +311,8 @@ def make_row(spec: Spec, m: int, workload: str, metrics: dict, work: Workload, m
     metrics = dict(metrics)
     steady = steady_stats(metrics.pop("_histories"), spec.mode)
     tokps = metrics.get("tokens_per_s")
-    return {**context, "mode": spec.label, "workload": workload, "m": m, "k": spec.k, "tp": spec.tp, "batch": spec.batch,
+    return {**context, "mode": spec.label, "workload": workload, "m": m, "k": spec.k, "tp": spec.tp,
+            "batch": spec.batch,
             "replicas": spec.replicas, "in_flight": spec.in_flight, "n_gpus": spec.n_gpus,
             "alpha": None if spec.mode == "ar" else spec.alpha if synthetic(spec) else metrics.get("acceptance_rate"),
             "alpha_group": spec.alpha if spec.acceptance == "synthetic" else None,

@@ -104,11 +104,13 @@ def test_each_rank_loads_only_its_shard(tiny_qwen2):
                                   full_qkv[q_all + kv_all:][kv_rows]])
         assert torch.equal(a.qkv_proj.weight, expected_qkv)
         full_bias = attn.qkv_proj.bias
-        assert torch.equal(a.qkv_proj.bias, torch.cat([full_bias[:q_all][q_rows], full_bias[q_all:q_all + kv_all][kv_rows],
+        assert torch.equal(a.qkv_proj.bias, torch.cat([full_bias[:q_all][q_rows],
+                                                        full_bias[q_all:q_all + kv_all][kv_rows],
                                                         full_bias[q_all + kv_all:][kv_rows]]))
         assert torch.equal(a.o_proj.weight, attn.o_proj.weight[:, q_rows])
         gate, up = mlp.gate_up_proj.weight.chunk(2)
-        assert torch.equal(m.gate_up_proj.weight, torch.cat([gate[r * inter:(r + 1) * inter], up[r * inter:(r + 1) * inter]]))
+        mine = slice(r * inter, (r + 1) * inter)
+        assert torch.equal(m.gate_up_proj.weight, torch.cat([gate[mine], up[mine]]))
         assert torch.equal(m.down_proj.weight, mlp.down_proj.weight[:, r * inter:(r + 1) * inter])
         rows = cfg.vocab_size // 2
         assert torch.equal(model.embed_tokens.weight, full.embed_tokens.weight[r * rows:(r + 1) * rows])

@@ -165,7 +165,8 @@ def load_model(path, device, dtype: torch.dtype | None = None, tp=None) -> Trans
                     if slices.get(name) is None:
                         if name in slices:   # another rank's
                             loaded.add(name)
-                        elif not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight" and model.lm_head is None):
+                        elif not name.endswith(_IGNORED_SUFFIXES) and not (name == "lm_head.weight"
+                                                                           and model.lm_head is None):
                             unexpected.append(name)
                         continue
                     where = slices[name]

@@ -85,7 +85,8 @@ class WorkerActors:
     def _new_drafter(self):
         self.drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
-        return self._drafter_cls.options(**actor_options(self.pg, self.mode, "drafter", self.config.tp), **threads).remote(
+        placement = actor_options(self.pg, self.mode, "drafter", self.config.tp)
+        return self._drafter_cls.options(**placement, **threads).remote(
             self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
 
     async def replace_drafter(self) -> dict:

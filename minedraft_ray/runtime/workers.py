@@ -239,7 +239,8 @@ class _Worker:
         if int(free * KV_MEMORY_FRACTION) < slots * per_slot:
             raise CacheSizeError(f"{slots} KV slots of max_len={self.config.max_len} need "
                                  f"{slots * per_slot / 2**30:.2f} GiB on each of the target's {self.config.tp} GPUs, "
-                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or max_len")
+                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or "
+                                 "max_len")
 
     def ready(self) -> dict:
         # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
