@@ -549,9 +549,6 @@ class SpecWorker(VerifierWorker):
     The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
     from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
-    def __init__(self, config: dict, num_slots: int, tp_group: Rendezvous | None = None):
-        super().__init__(config, num_slots, tp_group)
-
     def _load_beside_target(self) -> None:
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
