@@ -37,7 +37,7 @@ from bench.common import (command_line, device_name, fmt, git_sha, markdown_tabl
                           say)
 
 NAME = "psd_vs_sd"
-COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_gpus", "tokens_per_s",
+COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "tp", "alpha", "acceptance", "n_gpus", "tokens_per_s",
            "tokens_per_s_per_gpu", "makespan_per_req_s", "lat_mean_s", "lat_p50_s", "lat_p99_s", "ttft_mean_s",
            "ttft_p99_s", "t_draft_ms", "t_verify_ms", "step_ms", "verifier_busy", "ray_overhead_ms", "transport",
            "git_sha", "command", "device",
@@ -47,16 +47,16 @@ COLUMNS = ["mode", "workload", "rate_rps", "m", "k", "alpha", "acceptance", "n_g
            "ms_per_row_seq", "launch_gap_ms", "verifier_overlap", "psd_high_load", "build_s", "run_s", "models"]
 STRINGS = {"mode", "workload", "acceptance", "transport", "git_sha", "command", "device", "status", "note",
            "prompt_len", "models", "verifier_overlap", "psd_high_load"}
-INTS = {"m", "k", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
+INTS = {"m", "k", "tp", "n_gpus", "part", "batch", "replicas", "in_flight", "n_requests", "completed", "max_tokens",
         "steady_steps"}
 # what a row measured: rows of equal configuration replace one another
-CONFIG = ("mode", "workload", "m", "batch", "k", "replicas", "alpha_group", "load", "acceptance", "transport")
-TABLE = ["mode", "m", "batch", "k", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
+CONFIG = ("mode", "workload", "m", "batch", "k", "tp", "replicas", "alpha_group", "load", "acceptance", "transport")
+TABLE = ["mode", "m", "batch", "k", "tp", "alpha", "n_gpus", "in_flight", "n_requests", "tokens_per_s",
          "tokens_per_s_per_gpu", "lat_p50_s", "lat_p99_s", "t_draft_ms", "t_verify_ms", "step_ms", "verifier_busy",
          "ray_overhead_ms", "acceptance_length", "transport", "git_sha"]
-ONLINE_TABLE = ["mode", "load", "rate_rps", "k", "n_gpus", "n_requests", "completed", "tokens_per_s", "lat_p50_s",
+ONLINE_TABLE = ["mode", "load", "rate_rps", "k", "tp", "n_gpus", "n_requests", "completed", "tokens_per_s", "lat_p50_s",
                 "lat_p99_s", "ttft_p99_s", "step_ms", "verifier_busy", "seq_share", "transport", "git_sha"]
-GPUS_PER_REPLICA = {"psd": 2, "sd_split": 2, "sd": 1, "ar": 1}
+DRAFTER_GPUS = {"psd": 1, "sd_split": 1, "sd": 0, "ar": 0}   # GPUs of a replica besides the target's tp
 SEQUENTIAL = {"psd": "psd", "sd_split": "seq", "sd": "sd", "ar": "ar"}   # the regime a mode's steps run in
 EDGE_FRACTION = 0.05  # steps dropped at each end of a run before steady-state statistics
 
@@ -70,6 +70,7 @@ class Spec:
     alpha: float | None        # synthetic acceptance; None: what the models give
     replicas: int = 1
     acceptance: str = "synthetic"
+    tp: int = 1                # the target's tensor-parallel size
 
     @property
     def label(self) -> str:
@@ -77,7 +78,7 @@ class Spec:
 
     @property
     def n_gpus(self) -> int:
-        return GPUS_PER_REPLICA[self.mode] * self.replicas
+        return (self.tp + DRAFTER_GPUS[self.mode]) * self.replicas
 
     @property
     def in_flight(self) -> int:
@@ -269,7 +270,7 @@ def build(spec: Spec, target: str, draft: str, work: Workload, engine: dict) -> 
     def one(_):
         return LLM(target, None if spec.mode == "ar" else draft, mode=spec.mode, k=max(spec.k, 1),
                    max_batch=spec.batch, max_len=work.max_len, max_queued=1_000_000, step_timeout_s=120.0,
-                   **engine, **bench_hook(spec))
+                   tp=spec.tp, **engine, **bench_hook(spec))
 
     with ThreadPoolExecutor(spec.replicas) as pool:
         return list(pool.map(one, range(spec.replicas)))
@@ -310,7 +311,8 @@ def make_row(spec: Spec, m: int, workload: str, metrics: dict, work: Workload, m
     metrics = dict(metrics)
     steady = steady_stats(metrics.pop("_histories"), spec.mode)
     tokps = metrics.get("tokens_per_s")
-    return {**context, "mode": spec.label, "workload": workload, "m": m, "k": spec.k, "batch": spec.batch,
+    return {**context, "mode": spec.label, "workload": workload, "m": m, "k": spec.k, "tp": spec.tp,
+            "batch": spec.batch,
             "replicas": spec.replicas, "in_flight": spec.in_flight, "n_gpus": spec.n_gpus,
             "alpha": None if spec.mode == "ar" else spec.alpha if synthetic(spec) else metrics.get("acceptance_rate"),
             "alpha_group": spec.alpha if spec.acceptance == "synthetic" else None,
@@ -327,7 +329,8 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
 def read_rows(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist() if path.is_file() else []
+    rows = pq.read_table(path).to_pylist() if path.is_file() else []
+    return [{**r, "tp": r.get("tp") or 1} for r in rows]   # rows from before the column ran the target at tp 1
 
 
 def write(out: Path, rows: list[dict]) -> Path:
@@ -420,7 +423,8 @@ TRANSPORTS = ("auto", "object_store", "collective", "ray_collective")
 
 def parse(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=sorted(GPUS_PER_REPLICA), required=True)
+    p.add_argument("--mode", choices=sorted(DRAFTER_GPUS), required=True)
+    p.add_argument("--tp", type=int, default=1, help="the target's tensor-parallel size (GPUs of its ranks)")
     p.add_argument("--m", type=int, required=True, help="the group's per-verify batch: closed runs have 2m x waves requests")
     p.add_argument("--batch", type=int, default=None, help="max_batch per replica (default m)")
     p.add_argument("--replicas", type=int, default=1, help="data-parallel replicas of the mode")
@@ -475,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_rows(out / f"{NAME}.parquet")
     own_ray = not ray.is_initialized()
     if own_ray:
-        extra = {"num_cpus": 4, "num_gpus": 2} if args.smoke else {}
+        extra = {"num_cpus": 4, "num_gpus": max(2, Spec(args.mode, 1, 0, None, args.replicas, tp=args.tp).n_gpus)} \
+            if args.smoke else {}
         ray.init(address="local", include_dashboard=False, _temp_dir=str(work_dir / "ray"), log_to_driver=False, **extra)
     llms = []
     try:
@@ -494,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             context["transport"] = transport if transport != "auto" else default_transport(on_gpu=not args.smoke)
             for alpha in alphas:
                 for k in ks:
-                    spec = Spec(args.mode, batch, k, alpha, args.replicas, args.acceptance)
+                    spec = Spec(args.mode, batch, k, alpha, args.replicas, args.acceptance, args.tp)
                     t0 = time.perf_counter()
                     if llms and hasattr(llms[0], "reconfigure"):  # same actors, models and graphs: a new k and alpha
                         for llm in llms:

@@ -37,14 +37,14 @@ from pathlib import Path
 
 NAME = "serve_vs_offline"   # on a CPU: serve_vs_offline_cpu
 APP = "serve-vs-offline"
-CONFIG = ("label", "mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
+CONFIG = ("label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
           "ingress_replicas", "ingress_cpus", "stream_interval_ms")
-COLUMNS = ["label", "mode", "k", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
+COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
-TABLE_COLUMNS = ["label", "mode", "k", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
+TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "chunk_gap_p50_ms",
                  "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
@@ -168,7 +168,7 @@ def make_prompts(n: int, lo: int, hi: int, vocab_size: int, seed: int = 0) -> li
 
 
 def engine_args(args, mode: str, max_batch: int, n_requests: int, prompt_hi: int) -> dict:
-    settings = {"mode": mode, "k": args.k, "max_batch": max_batch, "max_len": prompt_hi + args.max_tokens + 16,
+    settings = {"mode": mode, "k": args.k, "tp": args.tp, "max_batch": max_batch, "max_len": prompt_hi + args.max_tokens + 16,
                 "max_queued": max(n_requests, 64), "device": args.device, "dtype": args.dtype,
                 "stream_interval_ms": args.stream_interval_ms}
     if args.target:
@@ -261,7 +261,9 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
     from bench.common import merge_by_config
 
-    return merge_by_config(old, new, CONFIG)
+    def at_tp(rows):   # rows from before the tp column ran the target at tp 1
+        return [{**r, "tp": r.get("tp") or 1} for r in rows]
+    return merge_by_config(at_tp(old), at_tp(new), CONFIG)
 
 
 def result_name(device: str) -> str:
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="ar", help="comma-separated: ar, sd, sd_split, psd")
     ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="the target's tensor-parallel size")
     ap.add_argument("--max-batch", default=None, help="comma-separated; each with every mode (default 64; smoke 4)")
     ap.add_argument("--n-requests", default=None, help="one value, or one per --max-batch value (default 256; "
                     "smoke 8)")
@@ -401,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 offline = run_offline(settings, prompts, args.max_tokens)
                 say(f"{mode} max_batch={max_batch}: offline {offline:.0f} tok/s; Serve HTTP ...")
                 results = run_http(args, pool, settings, prompts, config.served_model_name)
-                context = {"label": args.label, "mode": mode, "k": None if mode == "ar" else args.k, "max_batch": max_batch,
+                context = {"label": args.label, "mode": mode, "k": None if mode == "ar" else args.k, "tp": args.tp,
+                           "max_batch": max_batch,
                            "n_requests": n, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                            "stream_interval_ms": args.stream_interval_ms, "client_procs": args.client_procs,
                            "ingress_replicas": getattr(config, "ingress_replicas", 1),

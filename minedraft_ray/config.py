@@ -56,6 +56,8 @@ class EngineConfig(BaseModel):
     mode: Mode = Field("psd", description="ar | sd | sd_split | psd")
     k: int = Field(4, ge=1, le=8, description="draft tokens per verify step")
     max_batch: int = Field(8, ge=1, le=512, description="requests per verify step (psd holds 2x)")
+    tp: int = Field(1, ge=1, le=8, description="the target's tensor-parallel size: GPUs its ranks span, on one node "
+                    "(psd and sd_split add one for the drafter, which always runs on one GPU)")
     max_len: int = Field(2048, ge=16, description="tokens per request: prompt + output")
     num_slots: int | None = Field(None, ge=1, description="KV slots per model (default: what the mode holds)")
     draft_temperature: float = Field(0.0, ge=0.0, description="0 = greedy drafting (only ids travel)")

@@ -1,4 +1,4 @@
-"""bench/psd_vs_sd.py in its --smoke form on the CPU (tiny models, the session's Ray cluster with 2 fake GPUs),
+"""bench/psd_vs_sd.py in its --smoke form on the CPU (tiny models, the session's Ray cluster with its fake GPUs),
 run in this process as several commands into one folder: each command's rows merge by configuration, every
 column is written, the markdown names each command and the plot is drawn; request i gets the same synthetic
 acceptance draws in every mode that drafts for it. The statistics and the merge are checked without Ray."""
@@ -111,3 +111,17 @@ def test_merge_keeps_order_and_replaces_in_place():
     old = [{"mode": "sd", "k": 1, "tokens_per_s": 1.0}, {"mode": "psd", "k": 1, "tokens_per_s": 2.0}]
     new = [{"mode": "psd", "k": 1, "tokens_per_s": 3.0}, {"mode": "ar", "k": 0, "tokens_per_s": 4.0}]
     assert [r["tokens_per_s"] for r in merge(old, new)] == [1.0, 3.0, 4.0]
+
+
+def test_tp_counts_the_targets_gpus_and_old_rows_ran_at_tp_1(tmp_path):
+    """A replica spans the target's tp GPUs plus the drafter's (psd, sd_split); rows written before the tp column
+    read as tp 1, so a new tp-1 row replaces its old configuration."""
+    from bench.psd_vs_sd import CONFIG, Spec, read_rows
+    assert "tp" in CONFIG and "tp" in COLUMNS
+    assert [Spec(mode, 8, 2, 0.8, tp=4).n_gpus for mode in ("psd", "sd_split", "sd", "ar")] == [5, 5, 4, 4]
+    assert Spec("psd", 8, 2, 0.8, replicas=2, tp=2).n_gpus == 6
+    path = tmp_path / "old.parquet"
+    pq.write_table(pa.Table.from_pylist([{"mode": "psd", "k": 2, "tokens_per_s": 1.0}]), path)
+    assert [r["tokens_per_s"] for r in merge(read_rows(path), [{"mode": "psd", "k": 2, "tp": 1, "tokens_per_s": 2.0},
+                                                               {"mode": "psd", "k": 2, "tp": 2, "tokens_per_s": 3.0}])
+            ] == [2.0, 3.0]

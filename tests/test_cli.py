@@ -47,13 +47,13 @@ def test_flags_map_one_to_one_onto_engine_config(monkeypatch):
     monkeypatch.setenv("MINEDRAFT_MAX_QUEUED", "7")
     monkeypatch.setenv("MINEDRAFT_K", "5")
     ns = build_parser().parse_args(["serve", "--mode", "ar", "--draft", "none", "--k", "2", "--max-batch", "3",
-                                    "--no-cuda-graphs", "--step-timeout-s", "5.5", "--device", "cpu"])
+                                    "--no-cuda-graphs", "--step-timeout-s", "5.5", "--device", "cpu", "--tp", "2"])
     overrides = engine_overrides(ns)
     assert overrides == {"draft": None, "mode": "ar", "k": "2", "max_batch": "3", "device": "cpu",
-                         "cuda_graphs": False, "step_timeout_s": "5.5"}
+                         "cuda_graphs": False, "step_timeout_s": "5.5", "tp": "2"}
     config = load_config(overrides)
     assert (config.mode, config.draft, config.k, config.max_batch, config.cuda_graphs, config.step_timeout_s,
-            config.max_queued) == ("ar", None, 2, 3, False, 5.5, 7)   # flags win over MINEDRAFT_*, env fills in
+            config.max_queued, config.tp) == ("ar", None, 2, 3, False, 5.5, 7, 2)   # flags win over MINEDRAFT_*, env fills in
 
 
 def test_bad_settings_fail_clearly(capsys):

@@ -183,3 +183,16 @@ def test_random_presets_load_like_checkpoints(tmp_path, monkeypatch):
     assert resolve_model(folder) == folder
     with pytest.raises(ValueError, match="unknown random preset"):
         resolve_model("random:gpt-5")
+
+
+@pytest.mark.parametrize("name, arch, billions", [("qwen3-32b", "qwen3", 32.76), ("qwen3-1.7b", "qwen3", 1.72),
+                                                  ("qwen3-0.6b", "qwen3", 0.596), ("llama-70b", "llama", 70.55)])
+def test_random_presets_have_the_real_shapes(name, arch, billions):
+    """The presets' configs parse to their models' architectures and parameter counts (on the meta device)."""
+    from minedraft_ray.engine.model import ModelConfig, Transformer
+    from minedraft_ray.engine.presets import preset_config
+    cfg = ModelConfig.from_hf_dict(preset_config(name, 0, 1))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert cfg.arch == arch and cfg.qk_norm == (arch == "qwen3") and cfg.head_dim == 128 and cfg.num_kv_heads == 8
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=0.01)

@@ -78,6 +78,11 @@ def test_make_bundles():
     assert make_bundles("sd_split", use_gpus=True) == make_bundles("psd", use_gpus=True)
     assert make_bundles("sd", use_gpus=True) == [{"CPU": 0.5}, {"GPU": 1, "CPU": 0.5}]
     assert make_bundles("ar", use_gpus=False) == [{"CPU": 0.5}, {"CPU": 0.5}]
+    # tensor parallel: tp GPUs for the target's ranks, plus the drafter's in psd and sd_split (sd: beside rank 0)
+    gpu = {"GPU": 1, "CPU": 0.5}
+    assert make_bundles("psd", use_gpus=True, tp=4) == [{"CPU": 0.5}] + [gpu] * 5
+    assert make_bundles("sd_split", use_gpus=True, tp=2) == [{"CPU": 0.5}] + [gpu] * 3
+    assert make_bundles("ar", use_gpus=True, tp=4) == make_bundles("sd", use_gpus=True, tp=4) == [{"CPU": 0.5}] + [gpu] * 4
     with pytest.raises(ValueError, match="unknown mode"):
         make_bundles("fast")
 

@@ -18,9 +18,13 @@ def test_trace_stats():
 
 
 def test_merge_replaces_a_configuration():
-    row = {"mode": "ar", "max_batch": 4, "workload": "closed", "http_tokens_per_s": 1.0}
+    row = {"mode": "ar", "tp": 1, "max_batch": 4, "workload": "closed", "http_tokens_per_s": 1.0}
     other = {**row, "mode": "sd"}
     assert merge([row, other], [{**row, "http_tokens_per_s": 2.0}]) == [{**row, "http_tokens_per_s": 2.0}, other]
+    # a row from before the tp column ran at tp 1; another tp is another configuration
+    old = {k: v for k, v in row.items() if k != "tp"}
+    assert merge([old], [{**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}]) == [
+        {**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}]
 
 
 def test_smoke(ray_cluster, tmp_path):

@@ -254,15 +254,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # with tensor parallelism (tp: engine/parallel.TensorParallel) this rank's heads only
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads") if tp else cfg.num_heads
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads") if tp else cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.tp = tp
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         dt = cfg.dtype
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt)
         # Qwen2 has q/k/v biases only; Llama/Qwen3 `attention_bias` also covers o_proj
-        o_bias = cfg.attention_bias and cfg.arch != "qwen2"
+        # o_proj is row parallel: its partial sums are all-reduced, so only rank 0 adds the bias
+        o_bias = cfg.attention_bias and cfg.arch != "qwen2" and (tp is None or tp.rank == 0)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias, dtype=dt)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
@@ -288,26 +293,30 @@ class Attention(nn.Module):
         else:
             out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, block_tables, slots, positions,
                          self.scale)  # [B, q, Hq, D]
-        return self.o_proj(out.reshape(N, self.q_size))
+        out = self.o_proj(out.reshape(N, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=cfg.dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=cfg.dtype)
+        inter = tp.shard(cfg.intermediate_size, "intermediate_size") if tp else cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False, dtype=cfg.dtype)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False, dtype=cfg.dtype)
+        self.tp = tp
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, rope_cache, k_cache, v_cache, block_tables, slots, positions,
                 packed: bool = False):
@@ -319,17 +328,23 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder over a paged KV cache. `forward` writes K/V but never advances `cache.lengths`."""
+    """Decoder over a paged KV cache. `forward` writes K/V but never advances `cache.lengths`.
 
-    def __init__(self, cfg: ModelConfig):
+    tp (engine/parallel.TensorParallel): this rank's shard of a tensor-parallel model; None: the whole model,
+    with no collective and no extra work."""
+
+    def __init__(self, cfg: ModelConfig, tp=None):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.cfg, self.tp = cfg, tp
+        # vocabulary rows of this rank (all of them without tp): embedding and lm_head are vocab parallel
+        self.vocab_start, vocab_rows = tp.vocab_rows(cfg.vocab_size) if tp else (0, cfg.vocab_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         # tied checkpoints reuse embed_tokens.weight in compute_logits
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+            cfg.hidden_size, vocab_rows, bias=False, dtype=cfg.dtype)
+        self.num_kv_heads = self.layers[0].self_attn.num_kv_heads   # what this rank's KV cache holds
         # fp32 even in a bf16 model; the loader rebuilds it on the target device
         self.register_buffer("rope_cache", rope_cos_sin(cfg), persistent=False)
 
@@ -337,7 +352,7 @@ class Transformer(nn.Module):
         # input_ids: [B, q] int64; slots: [B] int64 -> hidden [B, q, H]
         B, T = input_ids.shape
         positions = cache.lengths[slots][:, None] + torch.arange(T, device=input_ids.device)  # [B, q]
-        x, residual = self.embed_tokens(input_ids.flatten()), None  # tokens flattened: [N = B*q, H]
+        x, residual = self.embed(input_ids.flatten()), None  # tokens flattened: [N = B*q, H]
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], cache.block_tables, slots,
                                 positions)
@@ -351,17 +366,29 @@ class Transformer(nn.Module):
         that slot's keys up to there, so a request may continue a slot that already holds tokens (a later
         chunk of its prompt, a drafter catching up). Like `forward`, it writes K/V but never advances lengths."""
         positions = (cache.lengths[token_slots] + offsets)[:, None]  # [T, 1]: one query per "row"
-        x, residual = self.embed_tokens(token_ids), None
+        x, residual = self.embed(token_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], cache.block_tables,
                                 token_slots, positions, packed=True)
         x, _ = self.norm(x, residual)
         return x
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids [N] -> [N, H]; a shard looks up its own rows (zeros for the others' ids) and the sum is all-reduced
+        if self.tp is None:
+            return self.embed_tokens(token_ids)
+        local = token_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [..., H] -> [..., V] fp32
+        # hidden: [..., H] -> [..., V] fp32 (the whole vocabulary on every rank: sampling needs all of it)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp is not None:
+            logits = self.tp.all_gather_last(logits)[..., :self.cfg.vocab_size]
+        return logits.float()
 
     def make_cache(self, num_slots: int, max_len: int, device=None, block_size: int = DEFAULT_BLOCK_SIZE,
                    num_blocks: int | None = None) -> KVCache:
@@ -370,6 +397,6 @@ class Transformer(nn.Module):
         that many blocks that the caller hands out (`KVCache.reserve`)."""
         device = device if device is not None else self.embed_tokens.weight.device
         cfg = self.cfg
-        return KVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
+        return KVCache(cfg.num_layers, num_slots, max_len, self.num_kv_heads, cfg.head_dim,
                        self.embed_tokens.weight.dtype, device, block_size=block_size, num_blocks=num_blocks,
                        static=num_blocks is None)

@@ -145,7 +145,7 @@ class ModelRunner:
         self.vocab = min(vocab_limit or self.cfg.vocab_size, self.cfg.vocab_size)
         # one extra slot: the scratch slot that padding rows write into (never reserved in a pool: the null block)
         dtype = next(model.parameters()).dtype
-        self.cache = KVCache(self.cfg.num_layers, num_slots + 1, max_len, self.cfg.num_kv_heads, self.cfg.head_dim,
+        self.cache = KVCache(self.cfg.num_layers, num_slots + 1, max_len, model.num_kv_heads, self.cfg.head_dim,
                              dtype, self.device, block_size=block_size, num_blocks=num_blocks,
                              static=num_blocks is None, prefix_caching=prefix_caching)
         self.num_slots, self.scratch_slot = num_slots, num_slots

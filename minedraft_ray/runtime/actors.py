@@ -1,5 +1,7 @@
 """Starting, restarting and stopping an engine's worker actors (the verifier, and the drafter where it has its
-own GPU) in the engine's placement group, and the draft channel between them."""
+own GPU) in the engine's placement group, and the draft channel between them. A target at tensor-parallel size
+tp > 1 is the verifier (rank 0) plus tp - 1 TargetRank actors, which meet at a store this process hosts
+(runtime/rendezvous.py) and run as long as their group does (`follows`)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +12,9 @@ from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
 from .placement import actor_options, create_placement_group
+from .rendezvous import host_store
 from .transport import DraftChannel
-from .workers import WorkerSet
+from .workers import TargetRank, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -36,6 +39,9 @@ class WorkerActors:
         self.mode = config.mode
         self.pg, self.own_pg = placement_group, False
         self.verifier = self.drafter = None
+        self.ranks: list = []     # the target's ranks 1..tp-1 (tp > 1)
+        self.follows: list = []   # their follow() calls, which end only with the group
+        self._tp_store = None     # where the ranks met; kept as long as they run
         self.drafter_seq = 0     # drafter tasks numbered so far (next_drafter_seq)
         self.info: dict = {}
         self._verifier_cls, self._drafter_cls, self._spec_cls = channel.actor_classes(workers)
@@ -44,21 +50,34 @@ class WorkerActors:
         """Both actors up, connected -> {"verifier": info, "drafter": info | None}."""
         if self.pg is None:
             self.pg = ray.util.get_current_placement_group()
+        tp = self.config.tp
         if self.pg is None:
-            self.pg = await asyncio.to_thread(create_placement_group, self.mode)
+            self.pg = await asyncio.to_thread(create_placement_group, self.mode, tp=tp)
             self.own_pg = True
         # overlap: a threaded verifier; a task waits for its turn in a thread of its own, and the tasks in
         # flight at once are bounded by the batches' queue depths plus the prefills between them
         threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
         cls, role = (self._spec_cls, "spec") if self.mode == "sd" else (self._verifier_cls, "verifier")
-        self.verifier = cls.options(**actor_options(self.pg, self.mode, role), **threads).remote(
-            self.config.model_dump(), self.num_slots, **self.workers.verifier_kwargs)
+        group = {}
+        if tp > 1:   # the bundles are on this node (STRICT_PACK), so the ranks reach the store at its IP
+            self._tp_store, group["tp_group"] = host_store(ray.util.get_node_ip_address(), "tp", START_TIMEOUT_S)
+        self.verifier = cls.options(**actor_options(self.pg, self.mode, role, tp), **threads).remote(
+            self.config.model_dump(), self.num_slots, **self.workers.verifier_kwargs, **group)
         waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
+        rank_cls = ray.remote(max_restarts=0)(TargetRank)
+        # two threads: a rank answers calls (ready, a health probe) while it follows
+        self.ranks = [rank_cls.options(**actor_options(self.pg, self.mode, "rank", tp, rank), max_concurrency=2)
+                      .remote(self.config.model_dump(), self.num_slots, rank, group["tp_group"])
+                      for rank in range(1, tp)]
+        rank_waits = [wait_for(r.ready.remote(), f"target rank {i + 1} start", START_TIMEOUT_S)
+                      for i, r in enumerate(self.ranks)]
+        self.follows = [r.follow.remote() for r in self.ranks]
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
             waits.append(wait_for(self.drafter.ready.remote(), "drafter start", START_TIMEOUT_S))
-        infos = await asyncio.gather(*waits)
-        self.info = {"verifier": infos[0], "drafter": infos[1] if len(infos) > 1 else None}
+        infos = await asyncio.gather(*waits, *rank_waits)
+        self.info = {"verifier": infos[0], "drafter": infos[1] if len(waits) > 1 else None,
+                     "ranks": infos[len(waits):]}
         if self.drafter is not None:
             await self.channel.connect(self.drafter, self.verifier, infos[0]["device"])
         return self.info
@@ -66,7 +85,8 @@ class WorkerActors:
     def _new_drafter(self):
         self.drafter_seq = 0   # a new drafter's tasks are numbered from 0 (workers.LaunchOrder)
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
-        return self._drafter_cls.options(**actor_options(self.pg, self.mode, "drafter"), **threads).remote(
+        placement = actor_options(self.pg, self.mode, "drafter", self.config.tp)
+        return self._drafter_cls.options(**placement, **threads).remote(
             self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
 
     async def replace_drafter(self) -> dict:
@@ -90,8 +110,9 @@ class WorkerActors:
 
     async def shutdown(self) -> None:
         await self.channel.disconnect()
-        for actor in (self.verifier, self.drafter):
+        for actor in (self.verifier, self.drafter, *self.ranks):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
+        self._tp_store = None
         if self.own_pg:
             ray.util.remove_placement_group(self.pg)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 
+
 class PeerLink:
     VERIFIER, DRAFTER = 0, 1   # ranks
     on_device = False          # payloads cross through host memory

@@ -101,7 +101,7 @@ class LLM:
             config = EngineConfig(**fields)
         self.config = config
         init_local_ray()
-        self.pg = create_placement_group(config.mode)
+        self.pg = create_placement_group(config.mode, tp=config.tp)
         self.manager = ManagerActor.options(
             num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,

@@ -88,6 +88,10 @@ def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig
         log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
                     model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
         config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
+    for size, what in ((model_cfg.num_heads, "attention heads"), (model_cfg.num_kv_heads, "KV heads"),
+                       (model_cfg.intermediate_size, "MLP columns")):
+        if size % config.tp:
+            raise ValueError(f"tp {config.tp} does not divide the target's {size} {what}")
     if config.transport == "auto":
         config = config.model_copy(update={"transport": default_transport(on_gpu=workers_on_gpu(config))})
     if config.verifier_overlap is None:
@@ -136,6 +140,7 @@ class BatchManager:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._rank_watches: list[asyncio.Task] = []
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
 
@@ -169,11 +174,16 @@ class BatchManager:
     async def start(self) -> None:
         await self.actors.start()
         self.sched.drafter_alive = self.drafter is not None
+        loop = asyncio.get_running_loop()
+        self._rank_watches = [loop.create_task(self._watch_rank(rank, ref))
+                              for rank, ref in enumerate(self.actors.follows, start=1)]
         gc.collect()
         gc.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def shutdown(self) -> None:
+        for watch in self._rank_watches:
+            watch.cancel()
         if self._loop_task:
             self._loop_task.cancel()
         if self._restart_task:
@@ -351,6 +361,19 @@ class BatchManager:
                 log.exception("step failed")
                 self._fail_all(f"engine step failed: {e!r}")
                 return
+
+    async def _watch_rank(self, rank: int, follow_ref) -> None:
+        """A target rank's follow() ends only with its group: its end (it died, or rank 0 did) kills the engine
+        as a dead verifier does, at once, even while no step is in flight."""
+        try:
+            await follow_ref
+            reason = f"target rank {rank} stopped following"
+        except Exception as e:  # noqa: BLE001 - whatever ended it, the target is incomplete
+            reason = f"target rank {rank} failed: {e}"
+        if self.dead is None:
+            if self._loop_task is not None:
+                self._loop_task.cancel()
+            self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         self.dead = reason

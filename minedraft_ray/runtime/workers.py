@@ -19,7 +19,9 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.engine import default_device
+from ..engine.kv_cache import CacheSizeError, KVCache
 from ..engine.loader import check_pair, load_model
+from ..engine.parallel import ShardedRunner, TensorParallel
 from ..engine.presets import resolve_model
 from ..engine.rejection import draft_probs_width
 from ..engine.runner import ModelRunner, to_device, to_host_async
@@ -27,8 +29,12 @@ from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
 from .rendezvous import GcsStore, fresh_prefix
+from .rendezvous import Rendezvous
 
 log = logging.getLogger("minedraft.runtime")
+
+# share of a GPU's free memory the target's KV slots may take (the rest: activations, graphs, the sampler's buffers)
+KV_MEMORY_FRACTION = 0.9
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -188,6 +194,7 @@ class _Worker:
         # the collective channels' end (PeerLink, or ray_collective.ChannelEnd), one per drafter generation
         self.link: PeerLink | None = None
         self.order: LaunchOrder | None = None   # a threaded worker's: tasks launch device work in turn
+        self.tp: TensorParallel | None = None   # a rank of a tensor-parallel target's
 
     def _turn(self, seq: int):
         return self.order.turn(seq) if self.order is not None else contextlib.nullcontext()
@@ -204,6 +211,38 @@ class _Worker:
                              self.config.cuda_graphs, self.vocab_limit)
         runner.capture_all(step_widths)
         return runner
+
+    def _target_runner(self, group: Rendezvous | None, rank: int, step_widths: tuple[int, ...]) -> ModelRunner:
+        """The target (`_runner`), or at tp > 1 this rank's shard of it, in the group met at `group`. Rank 0's
+        calls drive every rank (its graph captures too); the others follow (TargetRank)."""
+        if self.config.tp == 1:
+            return self._runner(self.target_dir, step_widths)
+        self.tp = TensorParallel.connect(group.join(), rank, self.config.tp, self.device, _node_ip(),
+                                         self.config.step_timeout_s)
+        model = load_model(self.target_dir, self.device, self.dtype, tp=self.tp)
+        self._check_kv_fits(model)
+        runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
+                               tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit)
+        if rank == 0:
+            runner.capture_all(step_widths)
+        return runner
+
+    def _check_kv_fits(self, model) -> None:
+        """A tensor-parallel rank's KV slots must fit on every rank's GPU, rank 0's included, which in sd also holds
+        the drafter (loaded before the target): every rank checks the least free memory of all ranks, so all of
+        them fail together rather than one failing and the others waiting for it."""
+        if self.device.type != "cuda":
+            return
+        cfg = model.cfg
+        per_slot = KVCache.bytes_per_slot(cfg.num_layers, self.config.max_len, model.num_kv_heads, cfg.head_dim,
+                                          next(model.parameters()).dtype)
+        free = self.tp.min_across_ranks(torch.cuda.mem_get_info(self.device)[0])
+        slots = self.num_slots + 1   # the runner's scratch slot
+        if int(free * KV_MEMORY_FRACTION) < slots * per_slot:
+            raise CacheSizeError(f"{slots} KV slots of max_len={self.config.max_len} need "
+                                 f"{slots * per_slot / 2**30:.2f} GiB on each of the target's {self.config.tp} GPUs, "
+                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or "
+                                 "max_len")
 
     def ready(self) -> dict:
         # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
@@ -262,8 +301,9 @@ class SlotState:
 
 
 class VerifierWorker(_Worker):
-    """The target model: prefill and verify + rejection sampling. A tensor-parallel group of
-    verifiers would replace this actor behind the same three methods (prefill, verify, ready).
+    """The target model: prefill and verify + rejection sampling. At tp > 1 this actor is rank 0 of the
+    target's tensor-parallel group, its representative: it does the sampling and talks to the drafter and the
+    manager, and the other ranks (TargetRank) run its model calls with it.
 
     Every task carries the manager's sequence number. A plain actor runs them one at a time in that order.
     With `verifier_overlap` the actor is threaded: a task launches its device work in its turn
@@ -271,12 +311,18 @@ class VerifierWorker(_Worker):
     waits for the device (a CUDA event wait releases the GIL), so the next task's Ray hand-over and host
     work overlap this one's device time instead of following it."""
 
-    def __init__(self, config: dict, num_slots: int):
+    def __init__(self, config: dict, num_slots: int, tp_group: Rendezvous | None = None):
+        """tp_group: where the target's ranks meet (tp > 1); this actor is rank 0."""
         super().__init__(config, num_slots)
+        self._load_beside_target()
         # verify steps are k + 1 wide, or 1 when no row carries drafts
-        self.verifier = Verifier(self._runner(self.target_dir, (self.config.k + 1, 1)))
+        self.verifier = Verifier(self._target_runner(tp_group, 0, (self.config.k + 1, 1)))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
+
+    def _load_beside_target(self) -> None:
+        """What shares this actor's GPU with the target, loaded first so that the target's KV check sees what it
+        leaves free (SpecWorker: the drafter)."""
 
     def open_link(self, generation: int) -> str:
         """The collective channel: wait for the drafter of `generation` -> the rendezvous key prefix it joins
@@ -509,8 +555,7 @@ class SpecWorker(VerifierWorker):
     The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
     from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
+    def _load_beside_target(self) -> None:
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
@@ -535,6 +580,21 @@ class SpecWorker(VerifierWorker):
             return staged, timer
         result = self._run(seq, launch)
         return dataclasses.replace(result, draft_ms=timers["draft"].ms)
+
+
+class TargetRank(_Worker):
+    """Rank `rank` > 0 of a tensor-parallel target: its shard, following rank 0's model calls (`follow`, which runs
+    as long as the group does)."""
+
+    def __init__(self, config: dict, num_slots: int, rank: int, tp_group: Rendezvous):
+        super().__init__(config, num_slots)
+        self.rank = rank
+        self.runner = self._target_runner(tp_group, rank, ())
+
+    def follow(self) -> int:
+        """Run rank 0's calls until it stops (-> this rank) or the group breaks (raises: rank 0 or a peer died)."""
+        self.runner.follow()
+        return self.rank
 
 
 @dataclass(frozen=True)

@@ -820,7 +820,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
         from ..engine.loader import load_chat_template
         config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
     hub_env = hub_env_vars()
-    bundles = make_bundles(config.mode)
+    bundles = make_bundles(config.mode, tp=config.tp)
     engine = EngineServer.options(
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
         ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), **hub_env}, **serve_limits(config),

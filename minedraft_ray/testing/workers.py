@@ -84,8 +84,8 @@ class SyntheticVerifier(Verifier):
 
 
 class SyntheticVerifierWorker(VerifierWorker):
-    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8):
-        super().__init__(config, num_slots)
+    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8, **group):
+        super().__init__(config, num_slots, **group)
         self.verifier = SyntheticVerifier(self.verifier.runner, acceptance)
 
     def set_acceptance(self, alpha: float) -> None:
@@ -93,8 +93,8 @@ class SyntheticVerifierWorker(VerifierWorker):
 
 
 class SyntheticSpecWorker(SpecWorker):
-    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8):
-        super().__init__(config, num_slots)
+    def __init__(self, config: dict, num_slots: int, acceptance: float = 0.8, **group):
+        super().__init__(config, num_slots, **group)
         self.verifier = SyntheticVerifier(self.verifier.runner, acceptance)
 
     def set_acceptance(self, alpha: float) -> None:
@@ -143,8 +143,8 @@ class RecordingVerifier(Verifier):
 
 
 class RecordingVerifierWorker(VerifierWorker):
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
+    def __init__(self, config: dict, num_slots: int, **group):
+        super().__init__(config, num_slots, **group)
         self.verifier = RecordingVerifier(self.verifier.runner)
 
     def verify_rows(self) -> list[VerifyRow]:
@@ -152,8 +152,8 @@ class RecordingVerifierWorker(VerifierWorker):
 
 
 class RecordingSpecWorker(SpecWorker):
-    def __init__(self, config: dict, num_slots: int):
-        super().__init__(config, num_slots)
+    def __init__(self, config: dict, num_slots: int, **group):
+        super().__init__(config, num_slots, **group)
         self.verifier = RecordingVerifier(self.verifier.runner)
 
     def verify_rows(self) -> list[VerifyRow]:

@@ -1,0 +1,280 @@
+"""Tensor parallelism in the engine layer (engine/parallel.py): ranks as threads of this process over gloo groups,
+each loading only its shard of a real-format (HF safetensors) checkpoint."""
+import threading
+import time
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from minedraft_ray.engine.engine import Engine
+from minedraft_ray.engine.loader import load_model
+from minedraft_ray.engine.parallel import ShardedRunner, TensorParallel
+from minedraft_ray.engine.runner import ModelRunner
+from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams
+from minedraft_ray.engine.spec import Verifier
+from minedraft_ray.runtime import LLM
+from minedraft_ray.testing.tiny import make_tiny_model
+
+
+def run_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
+    """fn(tp) on `world` ranks (threads) of one tensor-parallel group -> each rank's result."""
+    store = dist.HashStore()
+    results, errors = [None] * world, []
+
+    def rank_main(rank):
+        try:
+            tp = TensorParallel.connect(store, rank, world, torch.device("cpu"), "127.0.0.1", timeout_s=timeout_s)
+            results[rank] = fn(tp)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a rank is still blocked"
+    return results
+
+
+def _calls(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """A prefill, a verify-like step of 3 tokens, a rollback and a decode step -> their logits."""
+    slots = list(range(len(prompts)))
+    out = [runner.prefill(slots, prompts).clone()]
+    slot_t = torch.tensor(slots)
+    ids = torch.tensor([[7, 257, 9]] * len(prompts))
+    out.append(runner.step(slot_t, ids).clone())
+    runner.rollback(slot_t, torch.tensor([2] * len(prompts)))
+    out.append(runner.step(slot_t, torch.tensor([[11]] * len(prompts))).clone())
+    runner.extend(slots[:1], [[3, 4, 5, 6]])
+    out.append(runner.step(slot_t, torch.tensor([[12]] * len(prompts))).clone())
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_odd_vocab(tmp_path_factory):
+    # 513 rows: the vocabulary does not divide by 2, so the last rank's shard runs past it
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_odd_vocab"), "llama", seed=5, vocab_pad=1)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_odd_vocab"])
+def test_logits_at_tp2_match_tp1(family, request):
+    """Every rank loads its shard; the leader's logits (all-gathered over the vocabulary) are the whole model's
+    within 1e-4 in fp32, through prefill, verify-width steps, rollback and extend."""
+    path = request.getfixturevalue(family)
+    prompts = [[1, 5, 256, 300, 511, 3], [1, 255]]   # ids of both ranks' vocabulary shards
+    reference = _calls(ModelRunner(load_model(path, "cpu"), "cpu", 2, 64, 2), prompts)
+
+    def rank(tp):
+        runner = ShardedRunner(load_model(path, "cpu", tp=tp), "cpu", 2, 64, 2, tp=tp)
+        if tp.rank:
+            runner.follow()
+            return None
+        try:
+            return _calls(runner, prompts)
+        finally:
+            runner.stop_followers()
+
+    sharded = run_ranks(2, rank)[0]
+    for ref, got in zip(reference, sharded):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_each_rank_loads_only_its_shard(tiny_qwen2):
+    """Column-parallel q/k/v (with biases) and gate/up hold this rank's heads and columns, row-parallel o_proj
+    and down its input columns, the tied embedding its vocabulary rows; the KV cache its KV heads."""
+    full = load_model(tiny_qwen2, "cpu")
+    cfg, attn, mlp = full.cfg, full.layers[1].self_attn, full.layers[1].mlp
+    D, heads, kv_heads, inter = cfg.head_dim, cfg.num_heads // 2, cfg.num_kv_heads // 2, cfg.intermediate_size // 2
+    q_all, kv_all = cfg.num_heads * D, cfg.num_kv_heads * D
+
+    def rank(tp):
+        model = load_model(tiny_qwen2, "cpu", tp=tp)
+        r = tp.rank
+        a, m = model.layers[1].self_attn, model.layers[1].mlp
+        q_rows = slice(r * heads * D, (r + 1) * heads * D)
+        kv_rows = slice(r * kv_heads * D, (r + 1) * kv_heads * D)
+        full_qkv = attn.qkv_proj.weight
+        expected_qkv = torch.cat([full_qkv[:q_all][q_rows], full_qkv[q_all:q_all + kv_all][kv_rows],
+                                  full_qkv[q_all + kv_all:][kv_rows]])
+        assert torch.equal(a.qkv_proj.weight, expected_qkv)
+        full_bias = attn.qkv_proj.bias
+        assert torch.equal(a.qkv_proj.bias, torch.cat([full_bias[:q_all][q_rows],
+                                                        full_bias[q_all:q_all + kv_all][kv_rows],
+                                                        full_bias[q_all + kv_all:][kv_rows]]))
+        assert torch.equal(a.o_proj.weight, attn.o_proj.weight[:, q_rows])
+        gate, up = mlp.gate_up_proj.weight.chunk(2)
+        mine = slice(r * inter, (r + 1) * inter)
+        assert torch.equal(m.gate_up_proj.weight, torch.cat([gate[mine], up[mine]]))
+        assert torch.equal(m.down_proj.weight, mlp.down_proj.weight[:, r * inter:(r + 1) * inter])
+        rows = cfg.vocab_size // 2
+        assert torch.equal(model.embed_tokens.weight, full.embed_tokens.weight[r * rows:(r + 1) * rows])
+        assert model.make_cache(1, 16).k[0].shape[2] == kv_heads
+        return True
+
+    assert run_ranks(2, rank) == [True, True]
+
+
+def test_min_across_ranks():
+    """What sizes the target's KV on every rank: the least free memory of all of them (runtime/workers.py)."""
+    assert run_ranks(3, lambda tp: tp.min_across_ranks([70, 30, 50][tp.rank])) == [30, 30, 30]
+
+
+def test_heads_must_divide_by_tp(tiny_llama):
+    with pytest.raises(ValueError, match="num_attention_heads .* not divisible by the tensor-parallel size 3"):
+        run_ranks(3, lambda tp: load_model(tiny_llama, "cpu", tp=tp))
+
+
+# ---- the runtime: the target as rank actors on (fake) GPUs of the session's Ray cluster -----------------------
+PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
+           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:"]
+LENGTHS = [5, 30, 12, 1, 24, 17]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _greedy_tokens(verifier: Verifier, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """ar through the engine's Verifier: a prefill, then one-token verifies."""
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * len(prompts), "cpu", seeds=[0] * len(prompts))
+    slots = torch.arange(len(prompts))
+    result = verifier.prefill(slots.tolist(), prompts, batch)
+    out = [result.tokens[:, 0]]
+    for position in range(1, steps):
+        result = verifier.verify(slots, out[-1], torch.zeros((len(prompts), 0), dtype=torch.int64),
+                                 torch.zeros(len(prompts), dtype=torch.int64), batch,
+                                 torch.full((len(prompts),), position))
+        out.append(result.tokens[:, 0])
+    return torch.stack(out, 1).tolist()
+
+
+def test_greedy_ar_at_tp2_equals_tp1(tiny_llama):
+    """The sharded target's greedy text is the whole model's (its logits are far apart), so the runtime tests below
+    compare sd and psd at tp 2 with the in-process engine at tp 1."""
+    prompts = [[1, 5, 256, 300], [1, 2], [7, 400, 9, 10, 11]]
+    reference = Engine(tiny_llama, mode="ar", max_batch=3, device="cpu").generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+    def rank(tp):
+        runner = ShardedRunner(load_model(tiny_llama, "cpu", tp=tp), "cpu", 3, 64, 3, tp=tp)
+        if tp.rank:
+            return runner.follow()
+        try:
+            return _greedy_tokens(Verifier(runner), prompts, 12)
+        finally:
+            runner.stop_followers()
+
+    assert run_ranks(2, rank)[0] == [r.token_ids for r in reference]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, [greedy(n) for n in LENGTHS])
+
+
+def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
+    """sd: the drafter beside rank 0, in its actor and on its GPU."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1)
+    try:
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        info = llm.worker_info
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
+
+
+def _actors(llm):
+    """The engine's rank 0 (the verifier) and its other ranks."""
+    return ray.get(llm.manager.__ray_call__.remote(lambda self: (self.manager.verifier, self.manager.actors.ranks)))
+
+
+def test_a_rank_killed_mid_run_kills_the_engine_and_frees_rank_0(ray_cluster, tiny_llama):
+    """Rank 1 dies inside a run: the requests fail with an error, the engine reports dead (Serve replaces such a
+    replica), and rank 0 is not left blocked in a collective with it: it answers at once."""
+    llm = LLM(tiny_llama, None, mode="ar", max_batch=2, tp=2, torch_threads=1, step_timeout_s=60)
+    try:
+        verifier, (rank1,) = _actors(llm)
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:2]], [greedy(1500)] * 2)
+        deadline = time.time() + 60
+        while llm.info()["steps"] < 3 and time.time() < deadline:   # mid-run, not before or after
+            time.sleep(0.05)
+        ray.kill(rank1, no_restart=True)
+        with pytest.raises(Exception):
+            ray.get(ref, timeout=30)
+        assert llm.info()["dead"]
+        assert ray.get(verifier.ready.remote(), timeout=10)["pid"]   # well inside the group's 60 s timeout
+        with pytest.raises(Exception, match="dead|rank|verifier"):
+            llm.generate(PROMPTS[0], greedy(4))
+    finally:
+        llm.shutdown()
+
+
+def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tiny_llama):
+    """With no step in flight, rank 0's death ends rank 1's wait for its next call at once (no rank left waiting on
+    a dead group), and the engine reports dead without waiting for a request to fail."""
+    llm = LLM(tiny_llama, None, mode="ar", max_batch=2, tp=2, torch_threads=1, step_timeout_s=60)
+    try:
+        assert len(llm.generate(PROMPTS[0], greedy(3))[0].token_ids) == 3
+        deadline = time.time() + 10
+        while llm.info()["slots_in_use"] and time.time() < deadline:   # the step queued behind the last one ends
+            time.sleep(0.05)
+        verifier, _ = _actors(llm)
+        ray.kill(verifier, no_restart=True)
+        deadline = time.time() + 20
+        while not llm.info()["dead"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert "target rank 1" in (llm.info()["dead"] or ""), llm.info()["dead"]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def psd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
+    # the split forced at every load, so greedy output is checked through psd's own schedule
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=16, tp=2, torch_threads=1,
+              psd_low_load="psd", psd_high_load="psd")
+    yield llm
+    llm.shutdown()
+
+
+
+
+
+
+
+
+def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
+    """The target's two ranks on two (fake) GPUs, the drafter on a third."""
+    outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert any(h.regime == "psd" for h in psd_tp2.history())
+    assert sum(o.stats["accepted"] for o in outs) > 0
+    info = psd_tp2.worker_info
+    gpus = [info["verifier"]["gpu_ids"][0], info["ranks"][0]["gpu_ids"][0], info["drafter"]["gpu_ids"][0]]
+    assert len(set(gpus)) == 3, info
+
+
+def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
+    """Rank 0 samples from the logits all-gathered over the vocabulary: the target's exact distribution of the
+    first three tokens."""
+    from stats import chi_square_pvalue
+    from test_engine import _exact_three_token_distribution
+    params = dict(temperature=0.8, top_k=3)
+    n = 1000
+    prompt = psd_tp2._encode("def fibonacci(n):")
+    outs = psd_tp2.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
+                                           for s in range(n)])
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    exact = _exact_three_token_distribution(tiny_llama, prompt, SamplingParams(**params))
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
