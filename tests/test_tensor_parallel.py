@@ -85,6 +85,46 @@ def test_logits_at_tp2_match_tp1(family, request):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+def _paged_calls(runner: ModelRunner) -> tuple[list[torch.Tensor], list]:
+    """Blocks reserved and released, a prefix registered and adopted by a later request (a prefix-cache hit)
+    -> the logits, and the block tables the calls left."""
+    system = list(range(10, 42))   # two whole blocks of 16
+    runner.reserve([0], [len(system) + 3])
+    out = [runner.prefill([0], [system + [1, 2, 3]]).clone()]
+    runner.register_prefix(0, system + [1, 2, 3], len(system))
+    runner.release(0)
+    cached = runner.adopt_prefix(1, system + [4, 5], len(system) + 1)
+    runner.reserve([1], [len(system) + 2])
+    out.append(runner.prefill([1], [system + [4, 5]], cached=[cached]).clone())
+    out.append(runner.step(torch.tensor([1]), torch.tensor([[6, 7]])).clone())
+    return out, [cached, runner.cache.block_tables.tolist()]
+
+
+def test_paged_calls_at_tp2_match_tp1(tiny_llama):
+    """Every rank makes the leader's block calls (reserve, release, prefix register and adopt), so the tables
+    agree and a prefix-cache hit skips the same tokens on every rank; logits within 1e-4 of tp 1."""
+    def paged(model):
+        return dict(block_size=16, num_blocks=12, prefix_caching=True)
+    reference = _paged_calls(ModelRunner(load_model(tiny_llama, "cpu"), "cpu", 2, 64, 2, **paged(None)))
+
+    def rank(tp):
+        runner = ShardedRunner(load_model(tiny_llama, "cpu", tp=tp), "cpu", 2, 64, 2, tp=tp, **paged(None))
+        if tp.rank:
+            runner.follow()
+            return runner.cache.block_tables.tolist()
+        try:
+            return _paged_calls(runner)
+        finally:
+            runner.stop_followers()
+
+    leader, follower = run_ranks(2, rank)
+    logits, (cached, tables) = leader
+    assert cached == 32 and reference[1][0] == 32   # the hit: both whole blocks of the system prompt
+    assert tables == follower == reference[1][1]
+    for ref, got in zip(reference[0], logits):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
 def test_each_rank_loads_only_its_shard(tiny_qwen2):
     """Column-parallel q/k/v (with biases) and gate/up hold this rank's heads and columns, row-parallel o_proj
     and down its input columns, the tied embedding its vocabulary rows; the KV cache its KV heads."""

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .kv_cache import BlocksExhaustedError
 from .runner import ModelRunner, to_device
 
 # how long a follower waits for the leader's next call: as long as the leader lives (see above)
@@ -120,6 +121,10 @@ class Op(enum.IntEnum):
     SET_LENGTHS = 4
     ROLLBACK = 5
     CAPTURE = 6
+    RESERVE = 7          # block bookkeeping: every rank keeps the same tables by making the same calls
+    RELEASE = 8
+    ADOPT_PREFIX = 9
+    REGISTER_PREFIX = 10
 
 
 _PACKED = {None: -1, False: 0, True: 1}   # a call's `packed` argument in a header
@@ -163,11 +168,37 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_host(_pack_lists(slots, token_lists))
             return super().extend(slots, token_lists, packed)
 
-    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None) -> torch.Tensor:
+    def prefill(self, slots: list[int], prompts: list[list[int]], packed: bool | None = None,
+                cached: list[int] | None = None) -> torch.Tensor:
+        if cached is not None and any(cached):   # a prefix-cache hit: the two calls it makes, each sent on its own
+            self.set_lengths(slots, cached)
+            return self.extend(slots, [p[c:] for p, c in zip(prompts, cached)], packed=packed)
         with self._call(Op.PREFILL, *_lists_header(prompts, packed)) as send:
             if send:
                 self.tp.broadcast_host(_pack_lists(slots, prompts))
             return super().prefill(slots, prompts, packed)
+
+    def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
+        with self._call(Op.RESERVE, len(slots)) as send:
+            if send:
+                self.tp.broadcast_host(torch.tensor([slots, num_tokens], dtype=torch.int64).reshape(2, -1))
+            super().reserve(slots, num_tokens)
+
+    def release(self, slot: int) -> None:
+        with self._call(Op.RELEASE, slot):
+            super().release(slot)
+
+    def adopt_prefix(self, slot: int, tokens: list[int], max_tokens: int) -> int:
+        with self._call(Op.ADOPT_PREFIX, slot, len(tokens), max_tokens) as send:
+            if send:
+                self.tp.broadcast_host(torch.tensor(tokens, dtype=torch.int64))
+            return super().adopt_prefix(slot, tokens, max_tokens)
+
+    def register_prefix(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        with self._call(Op.REGISTER_PREFIX, slot, len(tokens), num_tokens) as send:
+            if send:
+                self.tp.broadcast_host(torch.tensor(tokens, dtype=torch.int64))
+            super().register_prefix(slot, tokens, num_tokens)
 
     def set_lengths(self, slots, lengths) -> None:
         with self._call(Op.SET_LENGTHS, len(slots)) as send:
@@ -219,6 +250,18 @@ class ShardedRunner(ModelRunner):
                     (ModelRunner.set_lengths if op is Op.SET_LENGTHS else ModelRunner.rollback)(self, got[0], got[1])
                 elif op is Op.CAPTURE:
                     ModelRunner.capture_all(self, tuple(args[1:1 + args[0]]))
+                elif op is Op.RESERVE:
+                    got = tp.broadcast_host(torch.empty((2, args[0]), dtype=torch.int64)).tolist()
+                    try:
+                        ModelRunner.reserve(self, got[0], got[1])
+                    except BlocksExhaustedError:   # the leader's pool ran out the same way: it preempts, we follow
+                        pass
+                elif op is Op.RELEASE:
+                    ModelRunner.release(self, args[0])
+                elif op in (Op.ADOPT_PREFIX, Op.REGISTER_PREFIX):
+                    tokens = tp.broadcast_host(torch.empty(args[1], dtype=torch.int64)).tolist()
+                    (ModelRunner.adopt_prefix if op is Op.ADOPT_PREFIX else ModelRunner.register_prefix)(
+                        self, args[0], tokens, args[2])
 
 
 def _lists_header(token_lists: list[list[int]], packed: bool | None) -> tuple[int, int, int]:
