@@ -555,15 +555,16 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import SamplingRow, SpecWorker
+    from minedraft_ray.runtime.workers import PrefillRow, SamplingRow, SpecWorker
 
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
-    first = state_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens
-    assert host_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens == first
+    rows = [PrefillRow(s, 0, p, r) for s, p, r in zip(slots, prompts, greedy_rows)]
+    first = state_worker.prefill(0, rows, 0).tokens
+    assert host_worker.prefill(0, rows, 0).tokens == first
     sequences = [p + f for p, f in zip(prompts, first)]
     for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
@@ -593,14 +594,14 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     drafts were partly accepted, wholly accepted or all rejected."""
     import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, RoundRow, VerifierResult
+    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, RoundRow, VerifierResult
 
     k = 3
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(0, slots, prompts)
+    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)])
     prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
     verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]

@@ -362,6 +362,16 @@ class ModelRunner:
         self.cache.lengths.index_add_(0, bufs["slots"][:len(slots)], bufs["lens"][:len(slots)])
         return bufs["logits"][:len(slots)]
 
+    @torch.inference_mode()
+    def prefill_chunks(self, slots: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Prompt chunks: chunk i is tokens [starts[i], starts[i] + len) of slot slots[i]'s prompt, the slot
+        holding the tokens before it. -> [B, V] logits of each chunk's last token (as `prefill`). Chunks that
+        all start their prompts take `prefill` (the padded path's graphs); others continue their slots."""
+        if not any(starts):
+            return self.prefill(slots, chunks)
+        self.set_lengths(slots, starts)   # a retried or re-sent chunk overwrites, never appends twice
+        return self.extend(slots, chunks)
+
     # ---- lengths -------------------------------------------------------------------------------
     def set_lengths(self, slots, lengths) -> None:
         self.cache.lengths.index_copy_(0, to_device(slots, self.device), to_device(lengths, self.device))
