@@ -138,6 +138,8 @@ class BatchManager:
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
                          "queued_behind": 0, "drafter_prefills": 0,
+                         # prefill tasks sent to the verifier (with chunking, one per chunk step)
+                         "prefill_tasks": 0,
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
         self.regime_steps = {"low": RegimeSteps(), "high": RegimeSteps()}   # what ran, per load (info)
@@ -284,11 +286,15 @@ class BatchManager:
                 self.streams[r.id].put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
-    async def reconfigure(self, k: int | None = None) -> None:
-        """Benchmarks: change k between workloads, keeping the actors, models and CUDA graphs. Only while
-        idle: drafts in flight would carry the old k."""
+    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
+        """Benchmarks and tests: change k or the per-step prefill budget (0: unchunked) between workloads,
+        keeping the actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
+        if prefill_chunk_tokens is not None:
+            self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
+            EngineConfig.model_validate(self.config.model_dump())
+            self.sched.config.prefill_budget = prefill_chunk_tokens or None
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
@@ -515,6 +521,7 @@ class BatchManager:
                 for c in prefill.chunks]
         prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests))
         self.inflight.append(InFlight(prefill, "prefill", prefill.handle))
+        self.counters["prefill_tasks"] += 1
         to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
         if to_drafter and self.drafter is not None:
             # the drafter (its own GPU) takes the chunks while the verifier prefills them
