@@ -123,6 +123,9 @@ class Driver:
         plan = self.sched.schedule(committed)
         for state in plan.finished:
             self.finish(state, "abort")
+        # requests that decode in this call's verifies without having been started by its prefills
+        started = {id(c.state) for p in plan.prefills for c in p.chunks if c.last}
+        decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
         check_prefills(self, plan.prefills, decoding)
         self.inflight.extend(plan.prefills)
         for verify in plan.verifies:

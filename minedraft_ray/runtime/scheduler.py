@@ -414,12 +414,14 @@ class Scheduler:
         """The prefill task(s) in front of this call's verifies: one within the budget while anything decodes;
         back to back while nothing does (nothing to stall), until one completes a prompt, whose verify then
         carries the next chunk along."""
+        # decoding: a verify in flight, or a started request that will ride one (this call's, or its next)
+        decoding = any(self.queued) or any(s.ready and not s.done for batch in self.batches for s in batch)
         while self.unprefilled:
             prefill = self._plan_prefill(committed)
             if prefill is None:
                 return
             plan.prefills.append(prefill)
-            if any(self.queued) or any(c.last for c in prefill.chunks):
+            if decoding or any(c.last for c in prefill.chunks):
                 return
 
     def _plan_prefill(self, committed: int | None) -> PrefillPlan | None:
