@@ -208,6 +208,9 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
         assert prefill.chunks and all(c.stop > c.start for c in prefill.chunks)
         if budget is not None:
             assert prefill.num_tokens <= budget, f"a prefill of {prefill.num_tokens} tokens, budget {budget}"
+            if driver.sched.mode == "psd" and all(driver.sched.batches) and not driver.sched.one_batch:
+                # a request's period spans both batches' verifies: half the budget each
+                assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
         for c in prefill.chunks:
             assert driver.planned.get(id(c.state), 0) == c.start, f"{c.state.id}: chunk gap or overlap"
             driver.planned[id(c.state)] = c.stop

@@ -433,6 +433,10 @@ class Scheduler:
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
         room = self.config.prefill_budget or sum(len(s.request.prompt_ids) for s in pending)
+        if self.config.prefill_budget and self.mode == "psd" and not self.one_batch and all(self.batches):
+            # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
+            # each keeps a request's gap within one chunk's time
+            room = max(1, room // 2)
         chunks = []
         for s in pending:
             if room == 0:
