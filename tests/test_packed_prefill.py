@@ -91,9 +91,9 @@ def test_extend_continues_a_slot_in_arbitrary_chunks(tiny_llama, cuts):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_prefill_chunks_from_their_starts_equal_one_shot(tiny_llama, packed):
-    """The runtime's chunked prefill (`prefill_chunks`): each chunk names where in its prompt it starts, so a
-    slot holding junk past that point (an earlier, longer request) is overwritten, not appended to; packed and
-    padded paths alike. The chunk that ends a prompt gives one-shot prefill's logits."""
+    """The runtime's chunked prefill (`prefill_chunks`): first chunks restart slots that held earlier, longer
+    requests, later ones continue them, mixed in one call; packed and padded paths alike. The chunk that ends
+    a prompt gives one-shot prefill's logits and KV."""
     model = load_model(tiny_llama, "cpu")
     long, short = _prompts([13, 6], model.cfg.vocab_size, seed=3)
     one_shot = _runner(model)
