@@ -92,16 +92,16 @@ def test_extend_continues_a_slot_in_arbitrary_chunks(tiny_llama, cuts):
 @pytest.mark.parametrize("packed", [True, False])
 def test_prefill_chunks_from_their_starts_equal_one_shot(tiny_llama, packed):
     """The runtime's chunked prefill (`prefill_chunks`): first chunks restart slots that held earlier, longer
-    requests, later ones continue them, mixed in one call; packed and padded paths alike. The chunk that ends
-    a prompt gives one-shot prefill's logits and KV."""
+    requests, also when they ride with later chunks of other prompts, which continue their slots; packed and
+    padded paths alike. The chunk that ends a prompt gives one-shot prefill's logits and KV."""
     model = load_model(tiny_llama, "cpu")
     long, short = _prompts([13, 6], model.cfg.vocab_size, seed=3)
     one_shot = _runner(model)
     want = one_shot.prefill([0, 1], [long, short]).clone()
     runner = _runner(model, packed_prefill=packed)
     runner.prefill([0, 1], _prompts([20, 20], model.cfg.vocab_size, seed=4))   # junk from earlier requests
-    runner.prefill_chunks([0, 1], [0, 0], [long[:5], short[:4]])
-    runner.prefill_chunks([0], [5], [long[5:9]])
+    runner.prefill_chunks([0], [0], [long[:5]])
+    runner.prefill_chunks([0, 1], [5, 0], [long[5:9], short[:4]])   # slot 1 restarts beside slot 0's next chunk
     got = runner.prefill_chunks([1, 0], [4, 9], [short[4:], long[9:]])
     torch.testing.assert_close(got, want[[1, 0]], **TOL)
     assert runner.cache.lengths[:2].tolist() == [13, 6]

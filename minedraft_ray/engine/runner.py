@@ -365,11 +365,12 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_chunks(self, slots: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Prompt chunks: chunk i is tokens [starts[i], starts[i] + len) of slot slots[i]'s prompt, the slot
-        holding the tokens before it (its length is starts[i]). -> [B, V] logits of each chunk's last token (as
-        `prefill`). Chunks that all start their prompts take `prefill` (the padded path's graphs); others
-        continue their slots."""
+        holding the tokens before it. -> [B, V] logits of each chunk's last token (as `prefill`). Chunks that
+        all start their prompts take `prefill` (the padded path's graphs); others continue their slots."""
         if not any(starts):
             return self.prefill(slots, chunks)
+        # a first chunk riding with later ones restarts a slot that still holds an earlier request's length
+        self.set_lengths(slots, starts)
         return self.extend(slots, chunks)
 
     # ---- lengths -------------------------------------------------------------------------------
