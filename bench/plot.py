@@ -262,6 +262,8 @@ def plot_real_traffic(parquet, png) -> Path:
 
 PLOTS = {
     "real_traffic": plot_real_traffic,
+    "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",
+                              "gpt-fast vs minedraft: step times at the same shape"),
     "serve_vs_offline": plot_serve_vs_offline,
     "serve_vs_offline_cpu": plot_serve_vs_offline,
     "gemm_sweep": plot_gemm_sweep,
