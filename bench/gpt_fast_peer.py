@@ -59,7 +59,11 @@ def set_batch(model, batch: int, max_seq: int, device) -> None:
     model.to(device=device, dtype=model.output.weight.dtype)
 
 
-def forward(model, x, input_pos):
+def step_forward(model, x, input_pos):
+    return model(x, input_pos)
+
+
+def prefill_forward(model, x, input_pos):   # its own function: compiled with other options than the steps
     return model(x, input_pos)
 
 
@@ -67,8 +71,9 @@ def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
     max_batch = max(args.batches)
     max_seq = args.context + args.prefill_tokens + args.k + 8
     model = gpt_fast_model(Path(args.gpt_fast), cfg, max_batch, max_seq, device, dtype)
-    step = torch.compile(forward, mode="reduce-overhead", fullgraph=True) if args.compile else forward
-    prefill = torch.compile(forward, fullgraph=True, dynamic=True) if args.compile else forward
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)   # a shape per batch, q
+    step = torch.compile(step_forward, mode="reduce-overhead", fullgraph=True) if args.compile else step_forward
+    prefill = torch.compile(prefill_forward, fullgraph=True, dynamic=True) if args.compile else prefill_forward
     rows = []
     with torch.inference_mode():
         for batch in args.batches:
