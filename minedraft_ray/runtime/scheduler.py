@@ -17,8 +17,9 @@ behind a verify is built from the verify's own result, so a second verify would 
 Chunked prefill: the scheduler owns the per-step token budget (`prefill_budget`, prompt tokens per verifier
 step). Admitted prompts queue for it in admission order, and each `schedule` call plans at most one prefill
 task within the budget, cut mid-prompt where it falls, in front of the verify it plans (in psd, members of
-the batch just committed first, so a chunk rides with its own batch's verify). A running request's time
-between tokens thus grows by at most one chunk per verifier step. While nothing decodes there is nothing to
+the batch just committed first, so a chunk rides with its own batch's verify, and half the budget while it
+splits, since a request's period then spans both batches' verifies). A running request's time between tokens
+thus grows by at most one chunk's time. While nothing decodes there is nothing to
 stall, and chunks are planned back to back until one completes a prompt. A request rides no verify and no
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
 by the time the verify runs), and its first token comes from that last chunk.
