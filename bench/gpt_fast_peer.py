@@ -85,7 +85,8 @@ def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
                 for _ in range(3):   # compile (and its CUDA graph) before timing
                     step(model, x, pos)
                 compile_s = time.perf_counter() - t0
-                times = time_steps(lambda: step(model, x, pos), device, args.warmup, args.reps, f"gpt-fast {name} b={batch}")
+                times = time_steps(lambda: step(model, x, pos), device, args.warmup, args.reps,
+                                   f"gpt-fast {name} b={batch}")
                 rows.append(row("gpt-fast", name, batch, q, args.context, times, compile_s))
         set_batch(model, 1, max_seq, device)
         x = torch.randint(16, cfg.vocab_size, (1, args.prefill_tokens), device=device)
@@ -96,8 +97,7 @@ def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
         compile_s = time.perf_counter() - t0
         times = time_steps(lambda: prefill(model, x, pos), device, args.warmup, args.reps, "gpt-fast prefill")
         rows.append(row("gpt-fast", "prefill", 1, args.prefill_tokens, 0, times, compile_s))
-    del model
-    return rows
+    return rows   # the model and its caches go with this frame
 
 
 def time_minedraft(args, target: str, device, dtype) -> list[dict]:
@@ -126,8 +126,7 @@ def time_minedraft(args, target: str, device, dtype) -> list[dict]:
     prompt = torch.randint(16, vocab, (args.prefill_tokens,)).tolist()
     times = time_steps(lambda: runner.prefill([0], [prompt]), device, args.warmup, args.reps, "minedraft prefill")
     rows.append(row("minedraft", "prefill", 1, args.prefill_tokens, 0, times, capture_s))
-    del runner, model
-    return rows
+    return rows   # the runner and its model go with this frame, before gpt-fast's model is built
 
 
 def row(engine, step, batch, q, context, times, compile_s) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import command_line, fmt, git_sha, markdown_table, say, write_results
+from bench.common import command_line, fmt, git_sha, say, write_results
 from bench.psd_vs_sd import machine_name, poisson_arrivals
 
 NAME = "real_traffic"
