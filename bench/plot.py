@@ -221,7 +221,49 @@ def plot_serve_vs_offline(parquet, png) -> Path:
     return Path(png)
 
 
+def plot_real_traffic(parquet, png) -> Path:
+    """Left: closed prompt tokens/s in prefill and output tokens/s per mode and engine; right: online TTFT P99
+    and the P99 gap between a request's outputs against the arrival rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    closed = [r for r in rows if r["workload"] == "closed"]
+    fig, (bars, online) = plt.subplots(1, 2, figsize=(13, 5))
+    xs = range(len(closed))
+    bars.bar([x - 0.2 for x in xs], [r["prefill_tokens_per_s"] or 0 for r in closed], 0.4,
+             label="prompt tokens/s in prefill")
+    twin = bars.twinx()
+    twin.bar([x + 0.2 for x in xs], [r["tokens_per_s"] or 0 for r in closed], 0.4, color="C1",
+             label="output tokens/s (right)")
+    bars.set_xticks(list(xs), [f"{r['mode']} {r['engine']}" for r in closed], rotation=20)
+    bars.set(ylabel="prompt tokens/s in prefill", title="Closed workload")
+    twin.set_ylabel("output tokens/s")
+    bars.legend(loc="upper left", fontsize=8)
+    twin.legend(loc="upper right", fontsize=8)
+    for i, (mode, engine) in enumerate(sorted({(r["mode"], r["engine"]) for r in rows})):
+        pts = sorted((r for r in rows if r["workload"] == "online" and r["mode"] == mode and r["engine"] == engine),
+                     key=lambda r: r["load"])
+        if not pts:
+            continue
+        rates = [r["rate_rps"] for r in pts]
+        online.plot(rates, [r["ttft_p99_ms"] for r in pts], "-o", color=f"C{i}", label=f"{mode} {engine} TTFT P99")
+        online.plot(rates, [r["gap_p99_ms"] for r in pts], "--x", color=f"C{i}", label=f"{mode} {engine} gap P99")
+    online.set(xlabel="arrival rate (requests/s; 30/60/90 % of the padded engine's capacity)", ylabel="ms",
+               yscale="log", title="Online (Poisson, long-tailed prompts)")
+    online.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return Path(png)
+
+
 PLOTS = {
+    "real_traffic": plot_real_traffic,
+    "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",
+                              "gpt-fast vs minedraft: step times at the same shape"),
     "serve_vs_offline": plot_serve_vs_offline,
     "serve_vs_offline_cpu": plot_serve_vs_offline,
     "gemm_sweep": plot_gemm_sweep,

@@ -68,6 +68,12 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = True
+    packed_prefill: bool = Field(True, description="prefill prompts packed back to back in one varlen launch; off: "
+                                 "each padded to the longest (the older engine, kept for comparison)")
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=0, description="the per-step token budget: prompt tokens prefilled per verifier step. Prompts are cut "
+        "into chunks that ride along with the decode/verify steps, so a long prompt delays a running request's next "
+        "token by at most one chunk (default: 512 on a GPU, 256 on a CPU); 0: whole prompts at once (unchunked)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")
@@ -160,7 +166,8 @@ class EngineConfig(BaseModel):
         for name in cls.model_fields:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                nullable = ("draft", "num_slots", "min_replicas", "max_replicas", "ingress_max_replicas")
+                nullable = ("draft", "num_slots", "prefill_chunk_tokens", "min_replicas", "max_replicas",
+                            "ingress_max_replicas")
                 values[name] = None if raw.lower() in ("", "none", "null") and name in nullable else raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.model_validate(values)

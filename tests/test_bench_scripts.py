@@ -91,3 +91,22 @@ def test_paged_kv_smoke(tmp_path):
     assert concurrency["peak_running"] > 0 and concurrency["slots_static"] > 0
     assert all(r["step_ms"] > 0 for r in rows if r["part"] == "decode")
     assert (tmp_path / "paged_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+GPT_FAST = ROOT / "third_party" / "gpt-fast"
+
+
+@pytest.mark.skipif(not (GPT_FAST / "model.py").is_file(),
+                    reason="gpt-fast's files are fetched into third_party/gpt-fast (ignored), not shipped")
+def test_gpt_fast_peer_smoke(tmp_path):
+    """The peer comparison's --smoke form: both engines' decode, verify and prefill rows, written with the
+    command."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpt_fast_peer", "--smoke", "--gpt-fast", str(GPT_FAST),
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "gpt_fast_peer.parquet").to_pylist()
+    assert {(r["engine"], r["step"]) for r in rows} == {(e, s) for e in ("gpt-fast", "minedraft")
+                                                        for s in ("decode", "verify", "prefill")}
+    assert all(r["ms"] > 0 for r in rows)
+    assert "`python -m bench.gpt_fast_peer --smoke" in (tmp_path / "gpt_fast_peer.md").read_text()

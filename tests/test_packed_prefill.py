@@ -91,6 +91,26 @@ def test_extend_continues_a_slot_in_arbitrary_chunks(tiny_llama, cuts):
     torch.testing.assert_close(_kv(runner, 1, 5), _kv(one_shot, 1, 5), **TOL)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_prefill_chunks_from_their_starts_equal_one_shot(tiny_llama, packed):
+    """The runtime's chunked prefill (`prefill_chunks`): first chunks restart slots that held earlier, longer
+    requests, also when they ride with later chunks of other prompts, which continue their slots; packed and
+    padded paths alike. The chunk that ends a prompt gives one-shot prefill's logits and KV."""
+    model = load_model(tiny_llama, "cpu")
+    long, short = _prompts([13, 6], model.cfg.vocab_size, seed=3)
+    one_shot = _runner(model)
+    want = one_shot.prefill([0, 1], [long, short]).clone()
+    runner = _runner(model, packed_prefill=packed)
+    runner.prefill([0, 1], _prompts([20, 20], model.cfg.vocab_size, seed=4))   # junk from earlier requests
+    runner.prefill_chunks([0], [0], [long[:5]])
+    runner.prefill_chunks([0, 1], [5, 0], [long[5:9], short[:4]])   # slot 1 restarts beside slot 0's next chunk
+    got = runner.prefill_chunks([1, 0], [4, 9], [short[4:], long[9:]])
+    torch.testing.assert_close(got, want[[1, 0]], **TOL)
+    assert runner.cache.lengths[:2].tolist() == [13, 6]
+    torch.testing.assert_close(_kv(runner, 0, 13), _kv(one_shot, 0, 13), **TOL)
+    torch.testing.assert_close(_kv(runner, 1, 6), _kv(one_shot, 1, 6), **TOL)
+
+
 @pytest.mark.parametrize("budget", [1, 3, 8, 100])
 def test_plan_pieces_cover_lists_in_order_under_budget(budget):
     lengths = [5, 1, 9, 3]

@@ -444,19 +444,23 @@ def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_ll
         llm.shutdown()
 
 
-@pytest.mark.parametrize("draft_temperature, transport", [(0.0, "object_store"), (1.0, "object_store"),
-                                                           (1.0, "collective")])
-def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport):
+@pytest.mark.parametrize("draft_temperature, transport, chunk", [(0.0, "object_store", None),
+                                                                  (1.0, "object_store", None),
+                                                                  (1.0, "collective", None), (1.0, "collective", 4)])
+def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport,
+                                           chunk):
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
-    ids, through either draft channel) gives the target's exact distribution of the first three tokens."""
+    ids, through either draft channel; prompts whole or in chunks of 4 tokens, the last one ending mid-way)
+    gives the target's exact distribution of the first three tokens."""
     from stats import chi_square_pvalue
     from test_engine import _exact_three_token_distribution
     params = dict(temperature=0.8, top_k=3)
     n = 1500
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=32, torch_threads=1,
-              draft_temperature=draft_temperature, transport=transport)
+              draft_temperature=draft_temperature, transport=transport, prefill_chunk_tokens=chunk)
     try:
         prompt = llm._encode("def fibonacci(n):")
+        assert chunk is None or len(prompt) % chunk, len(prompt)   # chunks end mid-prompt
         outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
                                            for s in range(n)])
         assert any(h.regime == "psd" for h in llm.history())
@@ -573,15 +577,16 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import SamplingRow, SpecWorker
+    from minedraft_ray.runtime.workers import PrefillRow, SamplingRow, SpecWorker
 
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
-    first = state_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens
-    assert host_worker.prefill(0, slots, prompts, greedy_rows, 0).tokens == first
+    rows = [PrefillRow(s, 0, p, r) for s, p, r in zip(slots, prompts, greedy_rows)]
+    first = state_worker.prefill(0, rows, 0).tokens
+    assert host_worker.prefill(0, rows, 0).tokens == first
     sequences = [p + f for p, f in zip(prompts, first)]
     for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
@@ -611,14 +616,14 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     drafts were partly accepted, wholly accepted or all rejected."""
     import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, RoundRow, VerifierResult
+    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, RoundRow, VerifierResult
 
     k = 3
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(0, slots, prompts)
+    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)])
     prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
     verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]

@@ -9,7 +9,10 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 - no KV slot leaked or shared;
 - each draft round consistent with its batch: a verify's rows are members of its batch, each drafted rider
   finds itself at its row of the rounds the verify takes, and a round drafted ahead holds members of that
-  batch whose tokens all come from the verify it follows.
+  batch whose tokens all come from the verify it follows;
+- chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
+  cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
+  decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled.
 """
 import ast
 import pathlib
@@ -23,8 +26,8 @@ from hypothesis import strategies as st
 from minedraft_ray.engine.engine import commit_tokens
 from minedraft_ray.engine.request import Request
 from minedraft_ray.engine.sampling import SamplingParams
-from minedraft_ray.runtime.scheduler import (PrefillPlan, RequestState, Scheduler, SchedulerConfig, Status,
-                                             VerifyPlan)
+from minedraft_ray.runtime.scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
+                                             Status, VerifyPlan)
 
 EOS = 1
 K = 3
@@ -40,6 +43,8 @@ class Driver:
         self.inflight: deque = deque()
         self.finished: dict[str, int] = {}
         self.states: list[RequestState] = []
+        self.prefilled: dict[int, int] = {}   # id(state) -> prompt tokens its completed prefill tasks put in KV
+        self.planned: dict[int, int] = {}     # id(state) -> prompt tokens its submitted prefill tasks cover
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -77,8 +82,17 @@ class Driver:
         task = self.inflight.popleft()
         if isinstance(task, PrefillPlan):
             self.sched.commit_prefill(task)
-            rows, num_drafts = task.requests, [0] * len(task.requests)
+            for c in task.chunks:   # the verifier runs its tasks in order: this one continues the chunks before
+                assert self.prefilled.get(id(c.state), 0) == c.start, f"{c.state.id}: a chunk out of order"
+                self.prefilled[id(c.state)] = c.stop
+                if not c.last:
+                    self.sched.release(c.state)
+            rows = [c.state for c in task.chunks if c.last]
+            num_drafts = [0] * len(rows)
         else:
+            for s in task.rows:   # the verify runs now: every rider's prompt is in the KV
+                assert self.prefilled.get(id(s), 0) == len(s.request.prompt_ids), \
+                    f"{s.id} verified before its prefill completed"
             self.sched.commit_verify(task)
             rows, num_drafts = task.rows, [K if i >= 0 else 0 for i in task.draft_index]
         tokens = [emit(nd) for nd in num_drafts]
@@ -105,13 +119,18 @@ class Driver:
 
     # -- the manager's half of a step --
     def schedule(self, committed) -> None:
+        decoding = any(isinstance(t, VerifyPlan) for t in self.inflight)
         plan = self.sched.schedule(committed)
         for state in plan.finished:
             self.finish(state, "abort")
-        if plan.prefill is not None:
-            self.inflight.append(plan.prefill)
+        # requests that decode in this call's verifies without having been started by its prefills
+        started = {id(c.state) for p in plan.prefills for c in p.chunks if c.last}
+        decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
+        check_prefills(self, plan.prefills, decoding)
+        self.inflight.extend(plan.prefills)
         for verify in plan.verifies:
             check_round_consistency(self.sched, verify)
+            check_prompts_planned(self, verify)
             self.inflight.append(verify)
         check_balance(self.sched)
 
@@ -178,7 +197,33 @@ def check_round_consistency(sched: Scheduler, verify: VerifyPlan) -> None:
             if row.verify_row >= 0:
                 assert verify.rows[row.verify_row] is row.state
             # every task in flight for it is the verify this round follows (and its prefill)
-            assert row.state.inflight == (row.verify_row >= 0) + row.state.prefilling
+            assert row.state.inflight == (row.verify_row >= 0) + row.state.prefill_tasks
+
+
+def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) -> None:
+    """Each prefill task within the budget, each chunk continuing its prompt where the one before ended;
+    more than one task per step only while nothing decodes, and then only until a prompt is complete."""
+    budget = driver.sched.config.prefill_budget
+    for i, prefill in enumerate(prefills):
+        assert prefill.chunks and all(c.stop > c.start for c in prefill.chunks)
+        if budget is not None:
+            assert prefill.num_tokens <= budget, f"a prefill of {prefill.num_tokens} tokens, budget {budget}"
+            if driver.sched.mode == "psd" and all(driver.sched.batches) and not driver.sched.one_batch:
+                # a request's period spans both batches' verifies: half the budget each
+                assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
+        for c in prefill.chunks:
+            assert driver.planned.get(id(c.state), 0) == c.start, f"{c.state.id}: chunk gap or overlap"
+            driver.planned[id(c.state)] = c.stop
+        if i < len(prefills) - 1:
+            assert not decoding and not any(c.last for c in prefill.chunks), "two prefills rode one step"
+
+
+def check_prompts_planned(driver: Driver, verify: VerifyPlan) -> None:
+    """A verify (and the rounds it takes and is followed by) holds only requests whose every prompt chunk is
+    submitted ahead of it."""
+    rounds: list[DraftPlan] = [r for r in (verify.ahead, verify.fresh, verify.next_round) if r is not None]
+    for s in verify.rows + [row.state for r in rounds for row in r.rows]:
+        assert driver.planned.get(id(s), 0) == len(s.request.prompt_ids), f"{s.id} rides before its prompt"
 
 
 def check_all(driver: Driver) -> None:
@@ -188,7 +233,8 @@ def check_all(driver: Driver) -> None:
 
 
 # ---- the property --------------------------------------------------------------------------------------
-ARRIVE = st.tuples(st.just("arrive"), st.integers(1, 6), st.integers(1, 16), st.booleans())
+ARRIVE = st.tuples(st.just("arrive"), st.integers(1, 20), st.integers(1, 16), st.booleans())
+BUDGETS = st.sampled_from([None, 1, 2, 3, 5, 8, 13])   # prompt tokens per step (None: unchunked)
 COMPLETE = st.tuples(st.just("complete"))
 EVENTS = st.one_of(
     ARRIVE, ARRIVE, ARRIVE, COMPLETE, COMPLETE, COMPLETE, COMPLETE,
@@ -207,15 +253,16 @@ def tokens(num_drafts: int):
         lambda n: st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=n, max_size=n))
 
 
-def make_scheduler(mode: str, max_batch: int, min_requests: int) -> Scheduler:
+def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None) -> Scheduler:
     max_running = 2 * max_batch if mode == "psd" else max_batch
-    sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd"))
+    sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd",
+                                      budget))
     sched.drafter_alive = mode in ("psd", "sd_split")
     return sched
 
 
-def run_events(mode, max_batch, min_requests, events, data):
-    driver = Driver(make_scheduler(mode, max_batch, min_requests))
+def run_events(mode, max_batch, min_requests, events, data, budget=None):
+    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget))
 
     def emit(num_drafts):
         return data.draw(tokens(num_drafts))
@@ -250,17 +297,17 @@ def run_events(mode, max_batch, min_requests, events, data):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3),
+@given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
-def test_psd_invariants_hold_through_random_events(max_batch, min_requests, events, data):
-    run_events("psd", max_batch, min_requests, events, data)
+def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, events, data):
+    run_events("psd", max_batch, min_requests, events, data, budget)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
+@given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
-def test_single_chain_invariants_hold_through_random_events(mode, max_batch, events, data):
-    run_events(mode, max_batch, 2, events, data)
+def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
+    run_events(mode, max_batch, 2, events, data, budget)
 
 
 def test_psd_splits_and_rebalances_a_burst():

@@ -387,6 +387,17 @@ class ModelRunner:
         self.cache.lengths.index_add_(0, bufs["slots"][:len(slots)], bufs["lens"][:len(slots)])
         return bufs["logits"][:len(slots)]
 
+    @torch.inference_mode()
+    def prefill_chunks(self, slots: list[int], starts: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Prompt chunks: chunk i is tokens [starts[i], starts[i] + len) of slot slots[i]'s prompt, the slot
+        holding the tokens before it. -> [B, V] logits of each chunk's last token (as `prefill`). Chunks that
+        all start their prompts take `prefill` (the padded path's graphs); others continue their slots."""
+        if not any(starts):
+            return self.prefill(slots, chunks)
+        # a first chunk riding with later ones restarts a slot that still holds an earlier request's length
+        self.set_lengths(slots, starts)
+        return self.extend(slots, chunks)
+
     # ---- blocks and lengths --------------------------------------------------------------------
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
         """Map positions [0, num_tokens[i]) of slots[i] to blocks before they are written (all or nothing;

@@ -36,8 +36,9 @@ class Drafter:
         self.runner, self.device = runner, runner.device
         self.draft_temperature, self.draft_top_k = draft_temperature, draft_top_k
 
-    def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
-        self.runner.prefill(slots, prompts)
+    def prefill(self, slots: list[int], prompts: list[list[int]], starts: list[int] | None = None) -> None:
+        """Prompts (or chunks of them, starting at `starts`) into the drafter's slots."""
+        self.runner.prefill_chunks(slots, starts or [0] * len(slots), prompts)
 
     @torch.inference_mode()
     def draft(self, rows: list[DraftRow], k: int, seeds: list[int] | None = None,
@@ -130,10 +131,17 @@ class Verifier:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]], batch: SamplingBatch,
-                num_logprobs: int = 0, cached: list[int] | None = None) -> VerifyResult:
-        """Prefill fresh slots and sample each request's first token (output position 0). `cached`: tokens of
-        each prompt the slot already holds (prefix cache), not recomputed."""
-        logits = self.runner.prefill(slots, prompts, cached=cached)      # [B, V]
+                num_logprobs: int = 0, starts: list[int] | None = None,
+                cached: list[int] | None = None) -> VerifyResult:
+        """Prefill slots with prompts (or chunks of them, starting at `starts`) and sample each row's first
+        token (output position 0): a request's own where its chunk ends its prompt. `cached`: tokens of each
+        prompt the slot already holds (a prefix-cache hit), not recomputed."""
+        if cached is not None and any(cached):
+            if starts is not None and any(starts):
+                raise ValueError("a prefill takes prompt chunks or a prefix-cache hit, not both")
+            logits = self.runner.prefill(slots, prompts, cached=cached)      # [B, V]
+        else:
+            logits = self.runner.prefill_chunks(slots, starts or [0] * len(slots), prompts)   # [B, V]
         positions = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
         first = sample(logits, batch, positions)                         # [B]
         lp = logprobs_topk(logits[:, None], batch, first[:, None], num_logprobs) if num_logprobs else None

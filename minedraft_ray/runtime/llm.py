@@ -56,8 +56,8 @@ class ManagerActor:
     async def abort(self, request_id: str) -> None:
         await self.manager.abort(request_id)
 
-    async def reconfigure(self, k: int | None = None) -> None:
-        await self.manager.reconfigure(k)
+    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
+        await self.manager.reconfigure(k, prefill_chunk_tokens)
 
     def info(self) -> dict:
         return self.manager.info()
@@ -133,11 +133,14 @@ class LLM:
     def abort(self, request_id: str) -> None:
         ray.get(self.manager.abort.remote(request_id))
 
-    def reconfigure(self, k: int | None = None) -> None:
-        """Benchmarks: a new k on an idle engine, same actors and graphs."""
-        ray.get(self.manager.reconfigure.remote(k))
+    def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
+        """Benchmarks: a new k or per-step prefill budget (0: unchunked) on an idle engine, same actors and
+        graphs."""
+        ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens))
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
+        if prefill_chunk_tokens is not None:
+            self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
 
     def info(self) -> dict:
         return ray.get(self.manager.info.remote())

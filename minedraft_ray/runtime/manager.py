@@ -40,7 +40,7 @@ from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, Schedul
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import DraftRound, RoundRow, SamplingRow, WorkerSet
+from .workers import DraftRound, PrefillRow, RoundRow, SamplingRow, WorkerSet
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -98,7 +98,16 @@ def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig
         config = config.model_copy(update={"verifier_overlap": overlap_by_default(config)})
     if config.drafter_overlap is None:
         config = config.model_copy(update={"drafter_overlap": config.verifier_overlap})
+    if config.prefill_chunk_tokens is None:
+        config = config.model_copy(update={"prefill_chunk_tokens": default_prefill_chunk(workers_on_gpu(config))})
     return config
+
+
+def default_prefill_chunk(on_gpu: bool) -> int:
+    """prefill_chunk_tokens' default. On a GPU a chunk of 512 prompt tokens is a few times a decode step's
+    rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024);
+    a CPU computes a chunk at its token count's cost, so a smaller one keeps the stall short."""
+    return 512 if on_gpu else 256
 
 
 class BatchManager:
@@ -117,7 +126,7 @@ class BatchManager:
                              f"{config.mode!r} keeps in flight")
         self.sched = Scheduler(SchedulerConfig(config.mode, config.max_batch, config.max_running, self.num_slots,
                                                config.psd_min_requests, config.psd_low_load,
-                                               config.psd_high_load))
+                                               config.psd_high_load, config.prefill_chunk_tokens or None))
         self.sched.drafter_alive = False   # until the drafter is up (start)
         self.channel = make_channel(config.transport)
         self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group)
@@ -133,6 +142,8 @@ class BatchManager:
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
                          "queued_behind": 0, "drafter_prefills": 0,
+                         # prefill tasks sent to the verifier (with chunking, one per chunk step)
+                         "prefill_tasks": 0,
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
         self.regime_steps = {"low": RegimeSteps(), "high": RegimeSteps()}   # what ran, per load (info)
@@ -285,11 +296,15 @@ class BatchManager:
                 self.streams[r.id].put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
-    async def reconfigure(self, k: int | None = None) -> None:
-        """Benchmarks: change k between workloads, keeping the actors, models and CUDA graphs. Only while
-        idle: drafts in flight would carry the old k."""
+    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
+        """Benchmarks and tests: change k or the per-step prefill budget (0: unchunked) between workloads,
+        keeping the actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
+        if prefill_chunk_tokens is not None:
+            self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
+            EngineConfig.model_validate(self.config.model_dump())
+            self.sched.config.prefill_budget = prefill_chunk_tokens or None
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
@@ -300,6 +315,7 @@ class BatchManager:
         s = self.sched
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
+                "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
@@ -410,8 +426,7 @@ class BatchManager:
         if isinstance(task.plan, PrefillPlan):
             self._prefills_done += 1
             self._prefill_ms += result.device_ms
-            self.sched.commit_prefill(task.plan)
-            self._commit(task.plan.requests, result.tokens, result.logprobs, [0] * len(task.plan.requests))
+            self._commit_prefill(task.plan, result)
             return
         verify: VerifyPlan = task.plan
         if task.kind == "step":
@@ -427,6 +442,18 @@ class BatchManager:
         self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
         self._schedule(verify.batch)
         self._record(task, record, result, t_arrived)
+
+    def _commit_prefill(self, prefill: PrefillPlan, result) -> None:
+        """A prefill task's result: the chunks that end their prompts bring their requests' first tokens."""
+        self.sched.commit_prefill(prefill)
+        ends = [row for row, c in enumerate(prefill.chunks) if c.last]
+        for c in prefill.chunks:
+            if not c.last:
+                self.sched.release(c.state)   # aborted mid-prompt: its slot is free once nothing writes it
+        if ends:
+            logprobs = [result.logprobs[row] for row in ends] if result.logprobs is not None else None
+            self._commit([prefill.chunks[row].state for row in ends], [result.tokens[row] for row in ends],
+                         logprobs, [0] * len(ends))
 
     def _verify_without_drafts(self, task: InFlight, error: Exception) -> None:
         """A round the verify names failed: the verify never ran (object store) or waits on a link that fails
@@ -507,21 +534,21 @@ class BatchManager:
             self._finish(state, "abort")
         for round_ in plan.dropped:
             self._drop_round(round_)
-        if plan.prefill is not None:
-            self._submit_prefill(plan.prefill)
+        for prefill in plan.prefills:
+            self._submit_prefill(prefill)
         for verify in plan.verifies:
             self._submit_verify(verify)
 
     def _submit_prefill(self, prefill: PrefillPlan) -> None:
-        states = prefill.requests
-        prefill.handle = self.verifier.prefill.remote(
-            prefill.seq, [s.slot for s in states], [s.request.prompt_ids for s in states],
-            [SamplingRow.of(s.request) for s in states], self._num_logprobs(states))
+        rows = [PrefillRow(c.state.slot, c.start, c.tokens, SamplingRow.of(c.state.request) if c.last else None)
+                for c in prefill.chunks]
+        prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests))
         self.inflight.append(InFlight(prefill, "prefill", prefill.handle))
-        if prefill.to_drafter and self.drafter is not None:
-            # the drafter (its own GPU) takes the prompts while the verifier prefills them
-            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), [s.slot for s in states],
-                                              [s.request.prompt_ids for s in states])
+        self.counters["prefill_tasks"] += 1
+        to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
+        if to_drafter and self.drafter is not None:
+            # the drafter (its own GPU) takes the chunks while the verifier prefills them
+            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter)
             self.counters["drafter_prefills"] += 1
             asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
                                                                             self.sched.drafter_generation))

@@ -13,6 +13,16 @@ One psd step, as the manager drives it:
 A request rides at most one verify in flight in psd and sd_split (plus its prefill, when new): the draft round
 behind a verify is built from the verify's own result, so a second verify would draft from a stale state.
 `sd` and `ar` build a step from the verifier's slot state alone, so their chain keeps two in flight.
+
+Chunked prefill: the scheduler owns the per-step token budget (`prefill_budget`, prompt tokens per verifier
+step). Admitted prompts queue for it in admission order, and each `schedule` call plans at most one prefill
+task within the budget, cut mid-prompt where it falls, in front of the verify it plans (in psd, members of
+the batch just committed first, so a chunk rides with its own batch's verify, and half the budget while it
+splits, since a request's period then spans both batches' verifies). A running request's time between tokens
+thus grows by at most one chunk's time. While nothing decodes there is nothing to
+stall, and chunks are planned back to back until one completes a prompt. A request rides no verify and no
+draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
+by the time the verify runs), and its first token comes from that last chunk.
 """
 from __future__ import annotations
 
@@ -37,10 +47,13 @@ class RequestState:
     request: Request
     status: Status = Status.WAITING
     aborted: bool = False            # the caller gave up; finished at the next retire
-    inflight: int = 0                # verifier tasks in flight that hold it (prefill or verify)
-    prefilling: bool = False         # its prefill is in flight
-    prefill: "PrefillPlan | None" = None   # that prefill, while in flight (a round takes its first token there)
+    inflight: int = 0                # verifier tasks in flight that hold it (prefill chunks or verify)
+    prompt_planned: int = 0          # prompt tokens in the prefill chunks planned so far
+    prefill_tasks: int = 0           # of those, chunks in flight
+    prefilling: bool = False         # its last chunk (the one that samples its first token) is in flight
+    prefill: "PrefillPlan | None" = None   # that chunk's task, while in flight (a round takes its first token there)
     prefill_row: int = -1
+    drafter_generation: int = -1     # the drafter that holds its prompt's chunks so far (-1: none)
     last_seq: int = -1               # task number of the latest task committed for it
 
     @property
@@ -56,14 +69,46 @@ class RequestState:
         """No more tokens wanted: it stopped, hit its length, or was aborted."""
         return self.request.finished or self.aborted
 
+    @property
+    def ready(self) -> bool:
+        """Its whole prompt is planned: it may ride a verify (behind its last chunk) and a draft round."""
+        return self.prompt_planned == len(self.request.prompt_ids)
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens [start, stop) of a request, prefilled in one task; the chunk that ends the prompt (`last`)
+    samples the request's first token."""
+    state: RequestState
+    start: int
+    stop: int
+    to_drafter: bool                 # the drafter prefills it too (psd, sd_split: it holds the chunks before it)
+
+    @property
+    def last(self) -> bool:
+        return self.stop == len(self.state.request.prompt_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.request.prompt_ids[self.start:self.stop]
+
 
 @dataclass(eq=False)
 class PrefillPlan:
-    """Prefill new requests (prompt KV and first token) on the verifier, and their prompts on the drafter."""
+    """One prefill task: prompt chunks (at most the step's token budget in all) into their requests' verifier
+    slots, a first token for each chunk that ends its prompt, and the same chunks on the drafter where it
+    holds the ones before."""
     seq: int
-    requests: list[RequestState]
-    to_drafter: bool = False         # the drafter prefills the prompts too (psd, sd_split with a drafter up)
+    chunks: list[PromptChunk]
     handle: object = None            # the manager's reference to the result (a draft round may take it)
+
+    @property
+    def requests(self) -> list[RequestState]:
+        return [c.state for c in self.chunks]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.stop - c.start for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -122,13 +167,14 @@ class SchedulerConfig:
     psd_min_requests: int = 2
     psd_low_load: str = "seq"         # auto | psd | seq
     psd_high_load: str = "auto"
+    prefill_budget: int | None = None  # prompt tokens prefilled per verifier step; None: whole prompts (unchunked)
 
 
 @dataclass
 class SchedulePlan:
-    """What one `schedule` call decided, in submission order: the prefill first, then the verifies."""
+    """What one `schedule` call decided, in submission order: the prefills first, then the verifies."""
     finished: list[RequestState] = field(default_factory=list)   # aborted now (retired): tell their callers
-    prefill: PrefillPlan | None = None
+    prefills: list[PrefillPlan] = field(default_factory=list)
     verifies: list[VerifyPlan] = field(default_factory=list)
     dropped: list[DraftPlan] = field(default_factory=list)       # rounds drafted ahead that no verify will name
 
@@ -139,6 +185,7 @@ class Scheduler:
         self.mode = config.mode
         self.slots = SlotAllocator(config.num_slots)
         self.waiting: deque[RequestState] = deque()
+        self.unprefilled: deque[RequestState] = deque()   # admitted, prompt not all planned: admission order
         self.batches: list[list[RequestState]] = [[], []]   # psd uses both; other modes only batches[0]
         # verifies queued per chain: sd and ar build a step from the verifier's slot state alone, so one waits
         # behind the running one; psd and sd_split draft from committed tokens on another actor: one
@@ -192,6 +239,7 @@ class Scheduler:
         states = [s for s in self.waiting if s.status is not Status.FINISHED]
         states += [s for b in self.batches for s in b if s.status is not Status.FINISHED]
         self.waiting.clear()
+        self.unprefilled.clear()
         self.batches = [[], []]
         for s in states:
             s.inflight = 0
@@ -298,6 +346,7 @@ class Scheduler:
             s = self.waiting.popleft()
             s.request.slot = self.slots.alloc()
             s.request.draft_valid = 0   # the drafter catches up on its first round (or holds the prompt)
+            s.prompt_planned, s.drafter_generation = 0, -1
             s.status = Status.RUNNING
             new.append(s)
         return new
@@ -346,17 +395,10 @@ class Scheduler:
         plan = SchedulePlan(finished=self._retire())
         self.update_saturation()
         new = self._admit()
-        if new:
-            # psd and sd_split: the drafter takes the prompts while the verifier prefills them, so their first
-            # round feeds two tokens, not the prompt (the drafter runs its tasks in order: before any round)
-            to_drafter = self.mode in ("psd", "sd_split") and self.drafter_alive
-            plan.prefill = PrefillPlan(self.next_seq(), new, to_drafter)
-            for row, s in enumerate(new):
-                s.inflight, s.prefilling, s.prefill, s.prefill_row = 1, True, plan.prefill, row
-                if to_drafter:
-                    s.request.draft_valid = len(s.request.prompt_ids)
-            self._place(new, committed)
+        self.unprefilled.extend(new)
+        self._place(new, committed)
         self._rebalance()
+        self._plan_prefills(committed, plan)
         for b in ([committed, 1 - committed] if committed is not None else [0, 1]):
             admitted = len(new) if b == committed or committed is None else 0
             while self.queued[b] < self.depth and self.batches[b]:
@@ -369,6 +411,61 @@ class Scheduler:
                 self._drop_ahead(b, plan)   # no verify will name its round: its members all left the batch
         return plan
 
+    def _plan_prefills(self, committed: int | None, plan: SchedulePlan) -> None:
+        """The prefill task(s) in front of this call's verifies: one within the budget while anything decodes;
+        back to back while nothing does (nothing to stall), until one completes a prompt, whose verify then
+        carries the next chunk along."""
+        # decoding: a verify in flight, or a started request that will ride one (this call's, or its next)
+        decoding = any(self.queued) or any(s.ready and not s.done for batch in self.batches for s in batch)
+        while self.unprefilled:
+            prefill = self._plan_prefill(committed)
+            if prefill is None:
+                return
+            plan.prefills.append(prefill)
+            if decoding or any(c.last for c in prefill.chunks):
+                return
+
+    def _plan_prefill(self, committed: int | None) -> PrefillPlan | None:
+        """Chunks of the prompts not yet planned, in admission order (in psd, members of the batch just
+        committed first, so a chunk rides with its own batch's verify), at most `prefill_budget` tokens."""
+        pending = [s for s in self.unprefilled if not s.done]
+        self.unprefilled = deque(pending)
+        if committed is not None and self.mode == "psd":
+            mine = {id(s) for s in self.batches[committed]}
+            pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
+        room = self.config.prefill_budget or sum(len(s.request.prompt_ids) for s in pending)
+        if self.config.prefill_budget and self.mode == "psd" and not self.one_batch and all(self.batches):
+            # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
+            # each keeps a request's gap within one chunk's time
+            room = max(1, room // 2)
+        chunks = []
+        for s in pending:
+            if room == 0:
+                break
+            start = s.prompt_planned
+            stop = min(len(s.request.prompt_ids), start + room)
+            # psd and sd_split: the drafter takes the chunks while the verifier prefills them, so the first round
+            # feeds two tokens, not the prompt (the drafter runs its tasks in order: before any round). Only a
+            # drafter that holds the chunks before takes one (a drafter restarted meanwhile holds none)
+            to_drafter = self.mode in ("psd", "sd_split") and self.drafter_alive and \
+                (start == 0 or s.drafter_generation == self.drafter_generation)
+            s.drafter_generation = self.drafter_generation if to_drafter else -1
+            chunks.append(PromptChunk(s, start, stop, to_drafter))
+            room -= stop - start
+        if not chunks:
+            return None
+        prefill = PrefillPlan(self.next_seq(), chunks)
+        for row, c in enumerate(chunks):
+            s = c.state
+            s.prompt_planned = c.stop
+            s.inflight += 1
+            s.prefill_tasks += 1
+            if c.last:
+                s.prefilling, s.prefill, s.prefill_row = True, prefill, row
+                s.request.draft_valid = len(s.request.prompt_ids) if c.to_drafter else 0
+                self.unprefilled.remove(s)
+        return prefill
+
     def _drop_ahead(self, b: int, plan: SchedulePlan) -> None:
         ahead, self.draft_ahead[b] = self.draft_ahead[b], None
         if ahead is not None:
@@ -377,10 +474,11 @@ class Scheduler:
 
     def _plan_verify(self, b: int, admitted: int, plan: SchedulePlan) -> VerifyPlan | None:
         """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride."""
+        # only requests whose whole prompt is planned ride (their chunks run before this verify)
         if self.depth > 1:   # everything the step needs is in the verifier's slot state
-            rows = list(self.batches[b])
+            rows = [s for s in self.batches[b] if s.ready]
         else:   # a request rides when its state is committed, or only its prefill is ahead of it
-            rows = [s for s in self.batches[b] if s.inflight == 0 or (s.inflight == 1 and s.prefilling)]
+            rows = [s for s in self.batches[b] if s.ready and s.inflight == s.prefill_tasks]
         if not rows:
             return None   # every member is still in flight in the other batch (moved): next commit
         regime = self.regime(b)
@@ -441,7 +539,7 @@ class Scheduler:
         rows, built = [], {}
         for s in self.batches[b]:
             vrow = at_verify.get(id(s), -1)
-            if s.done or s.inflight != (vrow >= 0) + s.prefilling:
+            if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
             last = verify.seq if vrow >= 0 else s.prefill.seq if s.prefilling else s.last_seq
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
@@ -456,10 +554,13 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def commit_prefill(self, prefill: PrefillPlan) -> None:
-        for s in prefill.requests:
+        for c in prefill.chunks:
+            s = c.state
             s.inflight -= 1
-            s.prefilling, s.prefill, s.prefill_row = False, None, -1
-            s.last_seq = prefill.seq
+            s.prefill_tasks -= 1
+            if c.last:
+                s.prefilling, s.prefill, s.prefill_row = False, None, -1
+                s.last_seq = prefill.seq
 
     def commit_verify(self, verify: VerifyPlan) -> None:
         """verify's result is committed (the manager appended its tokens): its riders are free to ride again."""

@@ -137,6 +137,24 @@ class SamplingRow:
         return cls(p.temperature, p.top_p, p.top_k, request.seed)
 
 
+GREEDY_ROW = SamplingRow(0.0, 1.0, 0, 0)   # for rows whose sample is not used (a chunk before a prompt's end)
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """One row of a prefill task: tokens [start, start + len(tokens)) of a prompt into `slot`, which holds the
+    tokens before them. The row that ends its prompt carries the request's sampling settings: its first token
+    is sampled and its slot state starts; a chunk before the end only fills KV."""
+    slot: int
+    start: int
+    tokens: list[int]
+    sampling: SamplingRow | None = None
+
+    @property
+    def ends_prompt(self) -> bool:
+        return self.sampling is not None
+
+
 def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
     params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k) for r in rows]
     return SamplingBatch.build(params, device, seeds=[r.seed for r in rows])
@@ -208,7 +226,7 @@ class _Worker:
         now, so the first requests do not pay for captures (and the compiles inside them)."""
         model = load_model(path, self.device, self.dtype)
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
-                             self.config.cuda_graphs, self.vocab_limit)
+                             self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill)
         runner.capture_all(step_widths)
         return runner
 
@@ -282,9 +300,10 @@ class SlotState:
                                             seeds=[0] * num_slots)                    # [S] rows
 
     def start(self, slots: list[int], slot_t: torch.Tensor, batch: SamplingBatch, first: torch.Tensor,
-              prompts: list[list[int]]) -> None:
-        # first [B]: each request's first token (output position 0)
-        tails = torch.tensor([[p[-1], len(p)] for p in prompts], dtype=torch.int64).to(first.device)
+              ends: list[PrefillRow]) -> None:
+        # first [B]: each request's first token (output position 0); ends: the rows that ended their prompts
+        tails = torch.tensor([[r.tokens[-1], r.start + len(r.tokens)] for r in ends], dtype=torch.int64
+                             ).to(first.device)
         self.sampling.assign(slots, batch)
         self.prev_token[slot_t] = tails[:, 0]
         self.last_token[slot_t] = first
@@ -397,19 +416,29 @@ class VerifierWorker(_Worker):
         tokens, logprobs = staged.to_host()
         return VerifierResult(tokens, logprobs, ms, t_launch, time.time())
 
-    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]], sampling: list[SamplingRow],
-                num_logprobs: int) -> VerifierResult:
-        """Start requests: prompt KV, first token, and the slot state later verify steps read."""
+    def prefill(self, seq: int, rows: list[PrefillRow], num_logprobs: int) -> VerifierResult:
+        """Prompt chunks into their slots; a request whose chunk ends its prompt starts: first token, and the
+        slot state later verify steps read. The result has a row per chunk (only the ends' tokens mean
+        anything)."""
         def launch():
             with StepTimer(self.device) as timer:
-                result = self._prefill(slots, prompts, sampling_batch(sampling, self.device), num_logprobs)
-                staged = result.staged()
+                staged = self._prefill(rows, num_logprobs).staged()
             return staged, timer
         return self._run(seq, launch)
 
-    def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
-        result = self.verifier.prefill(slots, prompts, batch, num_logprobs)
-        self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], prompts)
+    def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
+        slots, starts = [r.slot for r in rows], [r.start for r in rows]
+        batch = sampling_batch([r.sampling or GREEDY_ROW for r in rows], self.device)
+        result = self.verifier.prefill(slots, [r.tokens for r in rows], batch, num_logprobs, starts)
+        ends = [i for i, r in enumerate(rows) if r.ends_prompt]
+        if len(ends) == len(rows):
+            self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], rows)
+        elif ends:
+            end_rows = [rows[i] for i in ends]
+            end_slots = [r.slot for r in end_rows]
+            self.state.start(end_slots, to_device(end_slots, self.device),
+                             sampling_batch([r.sampling for r in end_rows], self.device),
+                             result.tokens[to_device(ends, self.device), 0], end_rows)
         return result
 
     def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
@@ -468,12 +497,12 @@ class DrafterWorker(_Worker):
                                self.config.draft_top_k)
         self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
 
-    def prefill(self, seq: int, slots: list[int], prompts: list[list[int]]) -> float:
-        """Put new requests' prompts in their slots (the first draft then feeds only the last two tokens)
-        -> device ms."""
+    def prefill(self, seq: int, rows: list[PrefillRow]) -> float:
+        """Put new requests' prompt chunks in their slots (once a prompt is all there, its first draft feeds
+        only the last two tokens) -> device ms."""
         with self._turn(seq):
             with StepTimer(self.device) as timer:
-                self.drafter.prefill(slots, prompts)
+                self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
         return timer.ms
 
     def draft(self, round_: DraftRound, *sources):
@@ -560,9 +589,9 @@ class SpecWorker(VerifierWorker):
         self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
                                self.config.draft_top_k)
 
-    def _prefill(self, slots, prompts, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
-        self.drafter.prefill(slots, prompts)
-        return super()._prefill(slots, prompts, batch, num_logprobs)
+    def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
+        self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
+        return super()._prefill(rows, num_logprobs)
 
     def step(self, seq: int, slots: list[int], k: int, num_logprobs: int) -> VerifierResult:
         """Draft k tokens for every slot from the slot state, then verify them."""

@@ -26,6 +26,7 @@ class DrafterFaults:
     delay_s: float = 0.0           # every round sleeps this long first (a kill then lands mid-round)
     error_at: int | None = None    # this round raises; the actor stays alive
     hang_at: int | None = None     # this round never returns (sleeps an hour); the actor stays alive
+    prefill_delay_s: float = 0.0   # every prompt (chunk) prefill sleeps this long first (a kill lands mid-prompt)
 
 
 class _FaultyDrafter:
@@ -36,6 +37,10 @@ class _FaultyDrafter:
 
     def __getattr__(self, name):
         return getattr(self._drafter, name)
+
+    def prefill(self, *args, **kwargs):
+        time.sleep(self.faults.prefill_delay_s)
+        return self._drafter.prefill(*args, **kwargs)
 
     def draft(self, *args, **kwargs):
         if self.faults.delay_s:

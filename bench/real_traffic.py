@@ -1,0 +1,334 @@
+"""Real traffic on one GPU: long-tailed prompt lengths, chunked + packed prefill against the padded, unchunked
+engine, in `ar` and `sd`, in one call.
+
+Workload: prompt lengths lognormal (median and P99 given, seeded), cut at the context minus the output;
+output lengths uniform in [out_min, out_max] (ignore_eos); random token ids; request i seeded with i, so
+both engines see the same requests. `sd` on random weights runs the synthetic acceptance of
+minedraft_ray.testing.workers (alpha), so its steps are the size real acceptance would give.
+
+Two engines per mode, built one after the other: `chunked` (packed prefill, prompts cut into chunks of the
+per-step budget riding along with the steps) and `padded` (packed_prefill off, prefill_chunk_tokens 0: each
+prefill pads its prompts to the longest and runs whole).
+- closed: every request submitted at once. `prefill_tokens_per_s`: prompt tokens / prefill device time (every
+  prefill task's, the chunks' included); `tokens_per_s`: output tokens / wall time.
+- online: Poisson arrivals at 30/60/90 % of the padded engine's closed capacity (the same absolute rates for
+  both engines). TTFT P50/P99 counted from the scheduled arrival; `gap_p99_ms`: P99 of the time between a
+  request's consecutive outputs (streamed one per step: stream_interval_ms 0); `gap_long_p99_ms`: that P99 over
+  the gaps that overlap a long prompt's prefill (arrival to first token of a prompt of >= long_tokens),
+  `gap_quiet_p50_ms`: the median over the gaps that overlap none, and `long_over_quiet` their ratio, pooled
+  over the loads (`n_long`: long prompts that arrived).
+
+    python -m bench.real_traffic                      # one H200: 8B / 1B random weights, about 8 minutes
+    python -m bench.real_traffic --smoke              # CPU: tiny models, 2 fake GPUs, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import command_line, fmt, git_sha, say, write_results
+from bench.psd_vs_sd import machine_name, poisson_arrivals
+
+NAME = "real_traffic"
+COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "completed", "prompt_tokens",
+           "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
+           "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
+           "prefill_chunk_tokens", "packed_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
+           "device"]
+TABLE = ["mode", "engine", "workload", "load", "rate_rps", "completed", "prefill_tokens_per_s", "tokens_per_s",
+         "ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms",
+         "long_over_quiet", "prefill_tasks"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_median: int = 300
+    prompt_p99: int = 3000
+    out_min: int = 64
+    out_max: int = 512
+    max_len: int = 4096
+    long_tokens: int = 2000
+    seed: int = 0
+
+    @property
+    def sigma(self) -> float:
+        """The lognormal's sigma whose P99 / median is prompt_p99 / prompt_median (z of the 99th percentile)."""
+        return float(np.log(self.prompt_p99 / self.prompt_median) / 2.3263)
+
+    def describe(self) -> str:
+        return (f"prompt lengths lognormal(mu=ln {self.prompt_median}, sigma={self.sigma:.3f}) tokens (median "
+                f"{self.prompt_median}, P99 {self.prompt_p99}), cut to [1, max_len - output] with max_len "
+                f"{self.max_len}; outputs uniform {self.out_min}..{self.out_max}; seed {self.seed}; long prompts: "
+                f">= {self.long_tokens} tokens")
+
+
+class Requests:
+    """Request i: the same prompt (random ids), output length and seed in every engine."""
+
+    def __init__(self, work: Workload, vocab: int):
+        self.work, self.vocab = work, vocab
+
+    def __call__(self, i: int):
+        from minedraft_ray.engine.sampling import SamplingParams
+
+        w = self.work
+        rng = np.random.default_rng([w.seed, i])
+        out = int(rng.integers(w.out_min, w.out_max + 1))
+        n = int(np.clip(round(rng.lognormal(np.log(w.prompt_median), w.sigma)), 1, w.max_len - out))
+        prompt = rng.integers(16, self.vocab, n).tolist()
+        return prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, seed=i)
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def run_closed(llm, requests: Requests, ids: range) -> dict:
+    start, before = len(llm.history()), llm.info()["prefill_tasks"]
+    reqs = [requests(i) for i in ids]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs])
+    run_s = time.perf_counter() - t0
+    prefill_ms = sum(r.t_prefill_ms for r in llm.history()[start:])
+    prompt_tokens = sum(len(p) for p, _ in reqs)
+    return {"n_requests": len(reqs), "completed": len(outs), "prompt_tokens": prompt_tokens, "run_s": run_s,
+            "prefill_ms": prefill_ms, "prefill_tokens_per_s": prompt_tokens / prefill_ms * 1e3 if prefill_ms else None,
+            "tokens_per_s": sum(len(o.token_ids) for o in outs) / run_s,
+            "prefill_tasks": llm.info()["prefill_tasks"] - before}
+
+
+@dataclass
+class Trace:
+    arrival: float                  # scheduled, on the client's clock
+    prompt_len: int
+    outputs: list[float]            # times of the outputs that carried tokens
+
+
+async def run_online(llm, requests: Requests, ids: list[int], arrivals: list[float], tag: str,
+                     drain_s: float) -> list[Trace]:
+    t0 = time.perf_counter() + 0.05
+    open_ids: set[str] = set()
+
+    async def one(i: int, at: float) -> Trace:
+        prompt, params = requests(i)
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        trace, rid = Trace(t0 + at, len(prompt), []), f"{tag}-{i}"
+        open_ids.add(rid)
+        async for out in llm.stream(prompt, params, rid):
+            if out.new_token_ids:
+                trace.outputs.append(time.perf_counter())
+        open_ids.discard(rid)
+        return trace
+
+    tasks = [asyncio.ensure_future(one(i, at)) for i, at in zip(ids, arrivals)]
+    done, pending = await asyncio.wait(tasks, timeout=arrivals[-1] + drain_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for rid in open_ids:   # still running after the drain: free the engine for the next load
+        await asyncio.to_thread(llm.abort, rid)
+    return [t.result() for t in done if not t.cancelled() and t.exception() is None]
+
+
+def online_stats(traces: list[Trace], long_tokens: int) -> dict:
+    ttft = [(t.outputs[0] - t.arrival) * 1e3 for t in traces if t.outputs]
+    gaps = [(a, b) for t in traces for a, b in zip(t.outputs, t.outputs[1:])]
+    out = {"completed": len(traces), "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+           "gap_p50_ms": percentile([(b - a) * 1e3 for a, b in gaps], 50),
+           "gap_p99_ms": percentile([(b - a) * 1e3 for a, b in gaps], 99)}
+    out.update(long_prompt_gaps(traces, long_tokens))
+    return out
+
+
+def long_prompt_gaps(traces: list[Trace], long_tokens: int) -> dict:
+    """Gaps between a request's consecutive outputs that overlap a long prompt's prefill (its arrival to its
+    first output; requests of their own), against those that overlap none."""
+    windows = [(t.arrival, t.outputs[0]) for t in traces if t.prompt_len >= long_tokens and t.outputs]
+    long, quiet = [], []
+    for t in traces:
+        for a, b in zip(t.outputs, t.outputs[1:]):
+            (long if any(a < end and b > start for start, end in windows) else quiet).append((b - a) * 1e3)
+    p99, p50 = percentile(long, 99), percentile(quiet, 50)
+    return {"n_long": len(windows), "gap_long_p99_ms": p99, "gap_quiet_p50_ms": p50,
+            "long_over_quiet": p99 / p50 if p99 is not None and p50 else None}
+
+
+# ---- engines ------------------------------------------------------------------------------------
+ENGINES = {"chunked": {"packed_prefill": True}, "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0}}
+
+
+def build(mode: str, engine: str, args, target: str, draft: str, work: Workload, extra: dict):
+    from minedraft_ray.runtime import LLM
+    from minedraft_ray.testing.workers import synthetic_acceptance
+
+    settings = dict(ENGINES[engine])
+    if engine == "chunked" and args.chunk is not None:
+        settings["prefill_chunk_tokens"] = args.chunk
+    hook = {"_workers": synthetic_acceptance(args.alpha)} if mode == "sd" else {}
+    return LLM(target, draft if mode == "sd" else None, mode=mode, k=args.k, max_batch=args.max_batch,
+               max_len=work.max_len, max_queued=1_000_000, stream_interval_ms=0.0, **settings, **extra, **hook)
+
+
+def model_pair(args, work_dir: Path) -> tuple[str, str]:
+    from minedraft_ray.engine.presets import resolve_model
+
+    if args.smoke:
+        from minedraft_ray.testing.tiny import make_noised_draft, make_tiny_model
+
+        target = make_tiny_model(work_dir / "target", "llama")
+        return str(target), str(make_noised_draft(target, work_dir / "draft", noise=0.02))
+    for model in (args.target, args.draft):   # materialise random:<preset> folders once, before the actors race
+        resolve_model(model)
+    return args.target, args.draft
+
+
+def vocab_of(target: str) -> int:
+    from minedraft_ray.engine.model import ModelConfig
+    from minedraft_ray.engine.presets import resolve_model
+
+    return min(ModelConfig.from_pretrained(resolve_model(target)).vocab_size, 32000)
+
+
+# ---- main ---------------------------------------------------------------------------------------
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="ar,sd")
+    p.add_argument("--engines", default="padded,chunked", help="padded (the unchunked engine) first: its closed "
+                   "capacity sets the online rates of both")
+    p.add_argument("--target", default="random:llama-8b")
+    p.add_argument("--draft", default="random:llama-1b")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--alpha", type=float, default=0.8, help="sd's synthetic acceptance (random weights)")
+    p.add_argument("--chunk", type=int, default=None, help="the chunked engine's prefill_chunk_tokens (default: "
+                   "the engine's default for the device)")
+    p.add_argument("--n-closed", type=int, default=96, help="requests of the closed workload")
+    p.add_argument("--loads", default="0.3,0.6,0.9")
+    p.add_argument("--online-s", type=float, default=15.0, help="seconds of arrivals per load")
+    p.add_argument("--prompt-median", type=int, default=300)
+    p.add_argument("--prompt-p99", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder of real_traffic.{parquet,md,png} (default bench/results; "
+                   "smoke: /tmp/real_traffic_smoke)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny models, 2 fake GPUs, a small workload")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    import ray
+
+    if args.smoke:
+        work = Workload(prompt_median=24, prompt_p99=200, out_min=4, out_max=16, max_len=256, long_tokens=60,
+                        seed=args.seed)
+        extra = {"device": "cpu", "torch_threads": 1}
+    else:
+        work = Workload(args.prompt_median, args.prompt_p99, seed=args.seed)
+        extra = {}
+    out = Path(args.out or ("/tmp/real_traffic_smoke" if args.smoke else "bench/results"))
+    context = {"git_sha": git_sha(), "command": command_line("bench.real_traffic", argv),
+               "device": machine_name(args.smoke)}
+    work_dir = Path(tempfile.mkdtemp(prefix="rtb-", dir="/tmp"))   # short: Ray's socket paths have a length limit
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        more = {"num_cpus": 4, "num_gpus": 2} if args.smoke else {}
+        ray.init(address="local", include_dashboard=False, _temp_dir=str(work_dir / "ray"), log_to_driver=False,
+                 **more)
+    rows, loads = [], [float(x) for x in args.loads.split(",") if x]
+    try:
+        target, draft = model_pair(args, work_dir)
+        requests = Requests(work, vocab_of(target))
+        for mode in args.modes.split(","):
+            capacity = None   # the padded engine's closed requests/s: both engines' online rates
+            for engine in args.engines.split(","):
+                t0 = time.perf_counter()
+                llm = build(mode, engine, args, target, draft, work, extra)
+                try:
+                    llm.generate(*map(list, zip(*[requests(10**6 + i) for i in range(4)])))   # warm-up
+                    base = {**context, "mode": mode, "engine": engine, "max_batch": args.max_batch,
+                            "k": args.k if mode == "sd" else None, "alpha": args.alpha if mode == "sd" else None,
+                            "prefill_chunk_tokens": llm.info()["prefill_chunk_tokens"],
+                            "packed_prefill": ENGINES[engine]["packed_prefill"],
+                            "build_s": time.perf_counter() - t0}
+                    closed = {**base, "workload": "closed", **run_closed(llm, requests, range(args.n_closed))}
+                    rows.append(closed)
+                    say(f"{mode} {engine} closed: {fmt(closed['prefill_tokens_per_s'])} prompt tok/s in prefill, "
+                        f"{fmt(closed['tokens_per_s'])} tok/s")
+                    capacity = capacity or closed["n_requests"] / closed["run_s"]
+                    traces_all, next_id = [], 10**5
+                    for load in loads:
+                        arrivals = poisson_arrivals(load * capacity, args.online_s, seed=round(load * 1000))
+                        ids = list(range(next_id, next_id + len(arrivals)))
+                        next_id += len(arrivals)
+                        drain = 10.0 if args.smoke else min(30.0, max(5.0, args.online_s))
+                        traces = asyncio.run(run_online(llm, requests, ids, arrivals, f"{mode}-{engine}-{load}",
+                                                        drain))
+                        traces_all += traces
+                        row = {**base, "workload": "online", "load": load, "rate_rps": load * capacity,
+                               "n_requests": len(arrivals), **online_stats(traces, work.long_tokens)}
+                        rows.append(row)
+                        say(f"{mode} {engine} {load:.0%}: TTFT P50/P99 {fmt(row['ttft_p50_ms'])}/"
+                            f"{fmt(row['ttft_p99_ms'])} ms, gap P99 {fmt(row['gap_p99_ms'])} ms")
+                    if loads:   # the long-prompt gaps pooled over the loads (long prompts are rare)
+                        rows.append({**base, "workload": "online_pooled", "n_requests": len(traces_all),
+                                     **online_stats(traces_all, work.long_tokens)})
+                finally:
+                    llm.shutdown()
+                write(out, rows, work, args)   # after every engine: a device call cut short keeps what it measured
+    finally:
+        if own_ray:
+            ray.shutdown()
+        shutil.rmtree(work_dir, ignore_errors=True)
+    say(f"wrote {out / NAME}.{{parquet,md,png}}")
+    return 0
+
+
+def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
+    notes = [work.describe(),
+             f"max_batch {args.max_batch}; sd: k={args.k}, synthetic acceptance alpha={args.alpha}; "
+             f"{args.n_closed} closed requests; online {args.online_s:.0f} s of Poisson arrivals per load at "
+             f"{args.loads} x the padded engine's closed capacity",
+             "chunked: packed prefill, prompts cut at prefill_chunk_tokens per step; padded: packed_prefill off, "
+             "prefill_chunk_tokens 0 (whole prompts, padded to the longest)",
+             "prefill_tokens_per_s: prompt tokens / prefill device time; gaps: between a request's consecutive "
+             "outputs (one per step); gap_long_p99_ms / gap_quiet_p50_ms: gaps overlapping a long prompt's "
+             "arrival-to-first-token window, or none; online_pooled: all loads together"]
+    notes += ratios(rows)
+    return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill vs the padded engine",
+                         rows[0]["command"] if rows else "", rows[0]["device"] if rows else "", notes, TABLE)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """The issue's targets, where both engines have rows: prefill tok/s ratio, TTFT P99 at 60 %, the gap ratio."""
+    lines = []
+    for mode in sorted({r["mode"] for r in rows}):
+        pick = lambda engine, workload, load=None: next(
+            (r for r in rows if r["mode"] == mode and r["engine"] == engine and r["workload"] == workload
+             and (load is None or r.get("load") == load)), None)
+        chunked, padded = pick("chunked", "closed"), pick("padded", "closed")
+        if chunked and padded and chunked["prefill_tokens_per_s"] and padded["prefill_tokens_per_s"]:
+            lines.append(f"{mode}: prefill prompt tokens/s chunked / padded = "
+                         f"{chunked['prefill_tokens_per_s'] / padded['prefill_tokens_per_s']:.2f} (target >= 1.25)")
+        c60, p60 = pick("chunked", "online", 0.6), pick("padded", "online", 0.6)
+        if c60 and p60 and c60["ttft_p99_ms"] and p60["ttft_p99_ms"]:
+            lines.append(f"{mode}: TTFT P99 at 60 % load chunked {fmt(c60['ttft_p99_ms'])} ms vs padded "
+                         f"{fmt(p60['ttft_p99_ms'])} ms (target: chunked <= padded)")
+        pooled = pick("chunked", "online_pooled")
+        if pooled:
+            lines.append(f"{mode}: chunked, gap P99 while long prompts prefill / median gap without = "
+                         f"{fmt(pooled['long_over_quiet'])} over {pooled['n_long']} long prompts (target <= 2)")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())

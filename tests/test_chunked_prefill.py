@@ -1,0 +1,98 @@
+"""Chunked prefill through the Ray runtime (real local cluster, tiny models, fp32 CPU): prompts cut into chunks
+under the per-step token budget, riding along with the decode/verify steps, still give `ar`'s greedy output
+token for token in every mode, at every chunk size, including chunks that end mid-prompt at awkward lengths;
+and a drafter killed while prompts are being prefilled chunk by chunk fails no request."""
+import math
+import time
+
+import pytest
+import ray
+
+from minedraft_ray.engine.engine import Engine
+from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime import LLM
+from minedraft_ray.testing.workers import faulty_drafter
+
+LONG = ("Chunked prefill cuts a long prompt into pieces that ride along with the steps of the requests already "
+        "running, so none of them waits for the whole prompt at once. ")
+PROMPTS = ["def fibonacci(n):", LONG, "a", "import os\nimport sys\n\n", LONG * 2, "x = [1, 2, 3]\nfor i in x:",
+           "# comment", "The quick brown fox jumps over"]
+LENGTHS = [12, 20, 7, 16, 9, 14, 5, 18]
+CHUNKS = (1, 3, 7, 0)   # prompt tokens per step; 0: unchunked
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def reconfigure_when_idle(llm, timeout_s=30.0, **settings):
+    """sd and ar keep a step queued behind a request's last one: the engine is idle once it has run."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return llm.reconfigure(**settings)
+        except ray.exceptions.RayTaskError as e:
+            if "idle" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, [greedy(n) for n in LENGTHS])
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "sd_split", "psd"])
+def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    """max_batch 3 of 8 prompts: later prompts are admitted, and chunked, while others decode. Each chunk size
+    in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut."""
+    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
+              torch_threads=1, **({"psd_high_load": "psd"} if mode == "psd" else {}))
+    try:
+        prompt_lengths = [len(llm._encode(p)) for p in PROMPTS]
+        assert max(prompt_lengths) > 100 and len(set(prompt_lengths)) == len(PROMPTS)
+        for chunk in CHUNKS:
+            before = llm.info()["prefill_tasks"]
+            reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
+            outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
+            info = llm.info()
+            tasks = info["prefill_tasks"] - before
+            if chunk:   # one task holds at most `chunk` tokens
+                assert tasks >= math.ceil(sum(prompt_lengths) / chunk), (chunk, tasks)
+            else:       # whole prompts: at most one task per admission
+                assert tasks <= len(PROMPTS), tasks
+            if mode != "ar":
+                assert sum(o.stats["accepted"] for o in outs) > 0
+            assert info["prefill_pending"] == 0
+    finally:
+        llm.shutdown()
+
+
+def test_drafter_killed_mid_chunked_prefill_fails_no_request(ray_cluster, tiny_llama, tiny_llama_draft, reference):
+    """The drafter prefills each chunk slowly (a fault worker), so it is killed while prompts are still being
+    cut into chunks: the engine serves ar while it restarts, later chunks go to no drafter that lacks the
+    ones before, and every request completes with ar's output. psd (sd_split's chunks take the same path)."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=3, max_batch=3, torch_threads=1, prefill_chunk_tokens=8,
+              _workers=faulty_drafter(prefill_delay_s=0.05))
+    try:
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], [greedy(n) for n in LENGTHS])
+        deadline = time.time() + 60
+        while (llm.info()["drafter_prefills"] < 4 or not llm.info()["prefill_pending"]) and time.time() < deadline:
+            time.sleep(0.01)
+        info = llm.info()
+        assert info["prefill_pending"] > 0, info   # prompts still being cut: the kill lands mid-prefill
+        assert ray.get(llm.manager.kill_drafter.remote())
+        outs = ray.get(ref, timeout=120)
+        assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
+        assert all(o["finish_reason"] == "length" for o in outs)
+        deadline = time.time() + 60
+        while not llm.info()["drafter_alive"] and time.time() < deadline:
+            time.sleep(0.2)
+        info = llm.info()
+        assert info["drafter_failures"] == 1 and info["drafter_restarts"] == 1, info
+        outs = llm.generate(PROMPTS[:4], [greedy(n) for n in LENGTHS[:4]])   # chunks on the restarted drafter
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference[:4]]
+        assert sum(o.stats["accepted"] for o in outs) > 0
+    finally:
+        llm.shutdown()

@@ -1,0 +1,52 @@
+"""bench/real_traffic.py: its workload and statistics without Ray, and its --smoke form on the CPU (tiny models,
+the session's Ray cluster): both engines in both modes, the files written with the command, the workload's
+parameters and the target ratios."""
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from bench.real_traffic import COLUMNS, Requests, Trace, Workload, long_prompt_gaps, main
+
+
+def test_prompt_lengths_are_long_tailed_and_seeded():
+    work = Workload()
+    requests = Requests(work, vocab=1000)
+    lengths = np.array([len(requests(i)[0]) for i in range(3000)])
+    assert 250 <= np.median(lengths) <= 350 and 2200 <= np.percentile(lengths, 99) <= 3600
+    outs = [requests(i)[1].max_tokens for i in range(300)]
+    assert min(outs) >= 64 and max(outs) <= 512
+    assert all(len(requests(i)[0]) + requests(i)[1].max_tokens <= work.max_len for i in range(3000))
+    assert requests(7)[0] == Requests(work, vocab=1000)(7)[0]
+
+
+def test_long_prompt_gaps_split_the_gaps_by_overlap():
+    traces = [Trace(0.0, 10, [0.10, 0.11, 0.12, 0.50]),   # its 0.12 -> 0.50 gap overlaps the long prefill
+              Trace(0.20, 3000, [0.45, 0.46])]
+    stats = long_prompt_gaps(traces, long_tokens=2000)
+    assert stats["n_long"] == 1
+    assert stats["gap_long_p99_ms"] == pytest.approx(380, rel=1e-3)
+    assert stats["gap_quiet_p50_ms"] == pytest.approx(10, rel=1e-3)
+    assert stats["long_over_quiet"] == pytest.approx(38, rel=1e-2)
+
+
+def test_smoke(ray_cluster, tmp_path):
+    # sd only (ar is the same code without the drafter): two engines built, the suite's time kept short
+    assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "2", "--chunk", "16",
+                 "--out", str(tmp_path)]) == 0
+    assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
+    rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
+    closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
+    assert set(closed) == {("sd", "padded"), ("sd", "chunked")}
+    for (mode, engine), r in closed.items():
+        assert r["completed"] == 6 and r["prefill_tokens_per_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["prefill_chunk_tokens"] == (16 if engine == "chunked" else 0)
+    # more prefill tasks than requests only where prompts are cut
+    assert closed[("sd", "chunked")]["prefill_tasks"] > closed[("sd", "padded")]["prefill_tasks"]
+    online = [r for r in rows if r["workload"] == "online"]
+    assert len({r["rate_rps"] for r in online}) == 1   # the same absolute rate for both engines
+    assert all(r["completed"] >= 1 and r["ttft_p50_ms"] > 0 for r in online)
+    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked"}
+    md = (tmp_path / "real_traffic.md").read_text()
+    assert "`python -m bench.real_traffic --smoke" in md and "lognormal" in md and "seed 0" in md
+    assert "prefill prompt tokens/s chunked / padded" in md
+    assert (tmp_path / "real_traffic.png").is_file()
