@@ -66,7 +66,7 @@ class PrefillPlan:
     handle: object = None            # the manager's reference to the result (a draft round may take it)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # built for every member every step: no frozen __setattr__, so cheap
 class DraftRow:
     """One row of a draft round: a request, and where the tokens it ends with come from. Past its committed
     tokens come the first token of its prefill in flight (`from_prefill`) and the tokens of the verify the
