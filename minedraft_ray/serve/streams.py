@@ -8,18 +8,20 @@ at a few hundred streams the items, not the engine, set the pace. Here a request
 (cancelling it aborts the request on the replica that holds it); the manager puts its outputs into a `RequestSink`,
 straight into the replica's `OutputBatcher`, which merges each request's outputs and sends everything pending to
 the replica's `Mailbox` actor in one call per `stream_interval_ms` (a request's first output and its last go at
-once). Each ingress replica long-polls the
-mailboxes of the engine replicas it has requests on (`StreamRouter`) and hands the outputs to their requests'
-queues. The mailbox is owned by the engine replica's process, so it dies with it and the pollers see the failure.
+once). Each ingress replica long-polls the mailboxes of the engine replicas it has requests on (`StreamRouter`) and
+applies each delivery to its requests in one call off the event loop. The mailbox is owned by the engine replica's
+process, so it dies with it and the pollers see the failure.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -157,47 +159,78 @@ class RequestSink:
             self.done.set()
 
 
-class StreamRouter:
-    """Ingress side: one long-poll per engine replica's mailbox, its outputs handed to their requests' queues."""
+class OutputReceiver(Protocol):
+    """Ingress side, one request: what the router hands its outputs to."""
 
-    def __init__(self, subscriber: str):
-        self.subscriber = subscriber
-        self.queues: dict[str, asyncio.Queue] = {}
+    def apply(self, outs: list[StepOutput]) -> None:
+        """The request's outputs of one delivery, in order. Runs on the router's pool (or its loop without one),
+        for every request of the delivery in one call; must not raise."""
+
+    def wake(self) -> None:
+        """On the loop, after `apply`: outputs were applied."""
+
+
+class StreamRouter:
+    """Ingress side: one long-poll per engine replica's mailbox; each delivery (every request's outputs of an
+    interval) is unpickled and applied to its requests in one call on `pool`, then the requests are woken. Per
+    request and chunk that leaves no thread hop and no task wake-up but its own; the detokenizing stays off the
+    loop that serves the other clients."""
+
+    def __init__(self, subscriber: str, pool: concurrent.futures.Executor | None = None):
+        self.subscriber, self.pool = subscriber, pool
+        self.receivers: dict[str, OutputReceiver] = {}
         self.mailbox_of: dict[str, str] = {}          # request id -> mailbox key
         self.pollers: dict[str, asyncio.Task] = {}    # mailbox key -> its poll task
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        queue = self.queues[request_id] = asyncio.Queue()
-        return queue
+    def open(self, request_id: str, receiver: OutputReceiver) -> None:
+        self.receivers[request_id] = receiver
 
     def close(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        self.receivers.pop(request_id, None)
         self.mailbox_of.pop(request_id, None)
 
     def watch(self, request_id: str, accepted: Accepted) -> None:
         """The request's outputs come from `accepted`'s mailbox: poll it (once per mailbox)."""
-        if request_id not in self.queues:
+        if request_id not in self.receivers:
             return
         self.mailbox_of[request_id] = accepted.key
         if accepted.key not in self.pollers:
             self.pollers[accepted.key] = asyncio.get_running_loop().create_task(self._poll(accepted))
 
+    def _deliver(self, batches: list[bytes]) -> list[OutputReceiver]:
+        """Unpickle a delivery and apply each request's outputs (on the pool) -> the receivers to wake."""
+        outs_of: dict[str, list[StepOutput]] = {}
+        for batch in batches:
+            for out in pickle.loads(batch):
+                outs_of.setdefault(out.request_id, []).append(out)
+        applied = []
+        for request_id, outs in outs_of.items():
+            receiver = self.receivers.get(request_id)   # closed meanwhile (the client left): dropped
+            if receiver is not None:
+                receiver.apply(outs)
+                applied.append(receiver)
+        return applied
+
     async def _poll(self, accepted: Accepted) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                for batch in await accepted.mailbox.take.remote(self.subscriber):
-                    for out in pickle.loads(batch):
-                        queue = self.queues.get(out.request_id)
-                        if queue is not None:
-                            queue.put_nowait(out)
+                batches = await accepted.mailbox.take.remote(self.subscriber)
+                if not batches:
+                    continue
+                applied = self._deliver(batches) if self.pool is None else \
+                    await loop.run_in_executor(self.pool, self._deliver, batches)
+                for receiver in applied:
+                    receiver.wake()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine replica (and its mailbox) died: its requests end with the error
             log.warning("engine outputs unreachable (%s): failing its requests", e)
             for request_id, key in list(self.mailbox_of.items()):
-                if key == accepted.key and request_id in self.queues:
-                    self.queues[request_id].put_nowait(StepOutput(request_id, [], finished=True,
-                                                                  finish_reason="abort",
-                                                                  error=f"the engine replica died: {e}"))
+                receiver = self.receivers.get(request_id)
+                if key == accepted.key and receiver is not None:
+                    receiver.apply([StepOutput(request_id, [], finished=True, finish_reason="abort",
+                                               error=f"the engine replica died: {e}")])
+                    receiver.wake()
         finally:
             self.pollers.pop(accepted.key, None)
