@@ -65,7 +65,7 @@ def test_merge_outputs():
     assert merge_outputs(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None
 
 
-def test_batches_per_interval_and_urgent_outputs_go_at_once(ray_cluster):
+def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
     async def scenario():
         mailbox = start_mailbox()
         await mailbox.alive.remote()   # the actor is up
@@ -81,9 +81,12 @@ def test_batches_per_interval_and_urgent_outputs_go_at_once(ray_cluster):
         assert time.perf_counter() - t0 >= 0.95
         assert {o.request_id: o.new_token_ids for o in batched} == {"a": [2, 3, 4], "b": [12, 13, 14]}
         t1 = time.perf_counter()
-        batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once
-        last = unpickled(await mailbox.take.remote("ingress"))
-        assert last[0].finished and time.perf_counter() - t1 < 0.8
+        batcher.put("ingress", StepOutput("b", [15]))                    # waits for the next interval
+        batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once,
+        last = unpickled(await mailbox.take.remote("ingress"))          # alone (b keeps its interval)
+        assert [(o.request_id, o.finished) for o in last] == [("a", True)] and time.perf_counter() - t1 < 0.8
+        grid = unpickled(await mailbox.take.remote("ingress"))
+        assert [o.new_token_ids for o in grid] == [[15]] and time.perf_counter() - t0 >= 1.95
         assert await mailbox.take.remote("ingress", 0.1) == []          # nothing left: an empty answer
         import ray
         ray.kill(mailbox)

@@ -106,16 +106,19 @@ def start_mailbox():
 
 
 class OutputBatcher:
-    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox at most
-    once per interval; a request's first output and its last are sent at once."""
+    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox on a
+    grid of one flush per interval; a request's first output and its last go at once, alone (with what that request
+    had pending), so neither an arrival nor a finish sends the other requests an extra chunk or shifts their grid."""
 
     def __init__(self, mailbox, interval_s: float):
         self.mailbox, self.interval_s = mailbox, interval_s
         self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
+        self.urgent: dict[str, set[str]] = {}                 # subscriber -> request ids to send at once
         self.seq = 0
-        self.last_flush = 0.0
-        self.scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
-        self.scheduled_at = 0.0
+        self.next_tick = 0.0          # the grid: the earliest time of the next interval's flush
+        self.due = 0.0                # when the scheduled interval's flush is due
+        self.tick: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.rush: asyncio.Handle | None = None
 
     def put(self, subscriber: str, out: StepOutput, urgent: bool = False) -> None:
         outs = self.pending.setdefault(subscriber, {})
@@ -123,24 +126,49 @@ class OutputBatcher:
         outs[out.request_id] = out if prev is None else merge_outputs(prev, out)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        due = now if urgent or out.finished else max(now, self.last_flush + self.interval_s)
-        if self.scheduled is not None and self.scheduled_at <= due:
+        if urgent or out.finished:
+            self.urgent.setdefault(subscriber, set()).add(out.request_id)
+            if self.rush is None:
+                self.rush = loop.call_soon(self._flush_urgent)
+            if self.tick is None and self.next_tick <= now:   # an idle grid starts here: next output an interval on
+                self.next_tick = now + self.interval_s
             return
-        if self.scheduled is not None:
-            self.scheduled.cancel()
-        self.scheduled_at = due
-        self.scheduled = loop.call_soon(self.flush) if due <= now else loop.call_at(due, self.flush)
+        if self.tick is None:
+            self.due = max(now, self.next_tick)
+            self.tick = loop.call_soon(self.flush) if self.due <= now else loop.call_at(self.due, self.flush)
+
+    def _send(self, batch: dict[str, list[StepOutput]]) -> None:
+        if batch:
+            self.mailbox.put.remote(self.seq, {subscriber: pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
+                                               for subscriber, outs in batch.items()})
+            self.seq += 1
+
+    def _flush_urgent(self) -> None:
+        self.rush = None
+        batch = {}
+        for subscriber, ids in self.urgent.items():
+            outs = self.pending.get(subscriber, {})
+            batch[subscriber] = [outs.pop(i) for i in ids if i in outs]
+            if not outs:
+                self.pending.pop(subscriber, None)
+        self.urgent = {}
+        self._send({subscriber: outs for subscriber, outs in batch.items() if outs})
 
     def flush(self) -> None:
-        self.scheduled = None
-        if not self.pending:
-            return
-        batch = {subscriber: pickle.dumps(list(outs.values()), protocol=pickle.HIGHEST_PROTOCOL)
-                 for subscriber, outs in self.pending.items()}
+        """The interval's flush: everything pending. The next one is due an interval after this one was (lateness
+        does not add up)."""
+        now = asyncio.get_running_loop().time()
+        self.tick = None
+        self.next_tick = self.due + self.interval_s
+        if self.next_tick < now:   # the loop was held up for over an interval: start the grid afresh
+            self.next_tick = now + self.interval_s
+        self.urgent = {}   # their outputs go now, with the rest
+        if self.rush is not None:
+            self.rush.cancel()
+            self.rush = None
+        batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items() if outs}
         self.pending = {}
-        self.last_flush = asyncio.get_running_loop().time()
-        self.mailbox.put.remote(self.seq, batch)
-        self.seq += 1
+        self._send(batch)
 
 
 class RequestSink:
