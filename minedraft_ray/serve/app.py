@@ -603,6 +603,7 @@ class OpenAIServer:
         head = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
         by_index = {c.index: c for c in choices}
         started, finished = set(), set()
+        tail: list[str] = []   # the last event goes out with the usage and [DONE]: one Serve item, not three
         try:
             async for ev in _merge(choices):
                 choice = {"index": ev.index}
@@ -622,10 +623,13 @@ class OpenAIServer:
                 chunk = {**head, "choices": [choice]}
                 if ev.finish_reason:
                     chunk["minedraft"] = spec_stats([ev.stats], self.config.mode, self.config.k)
-                yield _sse(chunk)
+                if len(finished) == len(choices):
+                    tail.append(_sse(chunk))
+                else:
+                    yield _sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 completion_tokens = sum(c.num_tokens for c in choices)
-                yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                tail.append(_sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}))
         except Exception as e:  # the headers are sent: each open choice ends, then the error goes into the stream
             err = engine_error(e)
             if err is None:
@@ -637,9 +641,9 @@ class OpenAIServer:
                 if c.index not in finished:
                     end = {"index": c.index, "finish_reason": STREAM_ERROR_FINISH_REASON, "logprobs": None}
                     end.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
-                    yield _sse({**head, "choices": [end]})
-            yield _sse(err.body())
-        yield _sse("[DONE]")
+                    tail.append(_sse({**head, "choices": [end]}))
+            tail.append(_sse(err.body()))
+        yield "".join(tail) + _sse("[DONE]")
 
     def _num_top(self, req) -> int | None:
         return req.logprobs if isinstance(req, CompletionRequest) else req.num_logprobs()
