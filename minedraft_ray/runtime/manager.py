@@ -213,13 +213,13 @@ class BatchManager:
             if not state.request.finished:
                 await self.abort(state.id)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink: OutputSink,
-               bounded: bool = True) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink: OutputSink,
+               bounded: bool = True) -> str:
         """Queue a request whose outputs go to `sink.put_nowait` as the steps produce them (not coalesced; the
         last one is finished, with the error if the engine failed). Refusals raise here. For callers that batch
         the outputs of many requests themselves (the Serve engine replica): no task per request wakes per step.
-        A caller that stops listening aborts the request."""
-        self._register(prompt_ids, params, request_id, sink, bounded)
+        A caller that stops listening aborts the request. -> the request's id."""
+        return self._register(prompt_ids, params, request_id, sink, bounded).id
 
     def _register(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink: OutputSink,
                   bounded: bool) -> RequestState:
