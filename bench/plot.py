@@ -221,6 +221,37 @@ def plot_serve_vs_offline(parquet, png) -> Path:
     return Path(png)
 
 
+def plot_host_overhead(parquet, png) -> Path:
+    """Each run's median host ms per psd step, parent and change, in run order (alternating), with each tree's
+    median over its runs; the load average before each run on the right axis."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    load_ax = ax.twinx()
+    for i, tree in enumerate(dict.fromkeys(r["tree"] for r in rows)):
+        mine = [r for r in rows if r["tree"] == tree]
+        ax.plot([r["run"] for r in mine], [r["host_ms_median"] for r in mine], "o-", color=f"C{i}",
+                label=f"{tree} ({mine[0]['git_sha']})")
+        ax.axhline(statistics.median(r["host_ms_median"] for r in mine), color=f"C{i}", ls="--", lw=1)
+        load_ax.plot([r["run"] for r in mine], [r["load_before"] for r in mine], "x", color=f"C{i}", alpha=0.4)
+    ax.set(xlabel="run (the trees alternate)", ylabel="median host ms per psd step",
+           title="psd host overhead per step (CPU); dashed: median over runs")
+    load_ax.set_ylabel("load average before the run (x)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 def plot_real_traffic(parquet, png) -> Path:
     """Left: closed prompt tokens/s in prefill and output tokens/s per mode and engine; right: online TTFT P99
     and the P99 gap between a request's outputs against the arrival rate."""
@@ -262,6 +293,7 @@ def plot_real_traffic(parquet, png) -> Path:
 
 PLOTS = {
     "real_traffic": plot_real_traffic,
+    "host_overhead_cpu": plot_host_overhead,
     "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",
                               "gpt-fast vs minedraft: step times at the same shape"),
     "serve_vs_offline": plot_serve_vs_offline,

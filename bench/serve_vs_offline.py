@@ -41,11 +41,13 @@ CONFIG = ("label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "
           "ingress_replicas", "ingress_cpus", "stream_interval_ms")
 COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
+           "offline_ttft_p50_ms", "offline_ttft_p99_ms", "offline_engine_step_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
-                 "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "chunk_gap_p50_ms",
+                 "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
+                 "offline_ttft_p99_ms", "chunk_gap_p50_ms",
                  "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
 
@@ -182,8 +184,18 @@ def engine_args(args, mode: str, max_batch: int, n_requests: int, prompt_hi: int
     return settings
 
 
-def run_offline(settings: dict, prompts: list[list[int]], max_tokens: int) -> float:
-    """tok/s of one `LLM.generate` call on every prompt (after a short warm-up call)."""
+@dataclass
+class OfflineRun:
+    """The offline path's numbers: tok/s, the engine's TTFT (arrival -> first token, every request submitted at
+    once: the queueing the HTTP path's TTFT holds too) and its median step."""
+    tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    engine_step_ms: float | None
+
+
+def run_offline(settings: dict, prompts: list[list[int]], max_tokens: int) -> OfflineRun:
+    """One `LLM.generate` call on every prompt (after a short warm-up call)."""
     from minedraft_ray import LLM, SamplingParams
     from minedraft_ray.config import EngineConfig
 
@@ -195,7 +207,10 @@ def run_offline(settings: dict, prompts: list[list[int]], max_tokens: int) -> fl
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - t0
-        return sum(len(o.token_ids) for o in outs) / elapsed
+        ttft = [o.stats["ttft"] * 1e3 for o in outs if o.stats and o.stats.get("ttft") is not None]
+        steps = [h.step_ms for h in llm.history()[-200:]]
+        return OfflineRun(sum(len(o.token_ids) for o in outs) / elapsed, percentile(ttft, 50), percentile(ttft, 99),
+                          statistics.median(steps) if steps else None)
     finally:
         llm.shutdown()
 
@@ -286,7 +301,9 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "`LLM.generate` call on the same prompts, with the same engine settings, built anew (one device "
              "holds one engine). `http_over_offline` = HTTP tok/s / offline tok/s.",
              "TTFT: send -> first streamed chunk; chunk gap: time between consecutive streamed chunks of a "
-             "request (chunks with text or the finish); `engine_step_ms`: the engine's median step (its last 200).",
+             "request (chunks with text or the finish); `engine_step_ms`: the engine's median step (its last 200). "
+             "offline_ttft: the offline engine's arrival -> first token of the same closed burst (its queueing for "
+             "a slot included, as in the HTTP TTFT); offline_engine_step_ms: its median step (parquet only).",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
              "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]
@@ -402,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = make_prompts(n, lo, hi, ModelConfig.from_pretrained(target_dir).vocab_size)
                 say(f"{mode} max_batch={max_batch}: offline LLM ...")
                 offline = run_offline(settings, prompts, args.max_tokens)
-                say(f"{mode} max_batch={max_batch}: offline {offline:.0f} tok/s; Serve HTTP ...")
+                say(f"{mode} max_batch={max_batch}: offline {offline.tokens_per_s:.0f} tok/s; Serve HTTP ...")
                 results = run_http(args, pool, settings, prompts, config.served_model_name)
                 context = {"label": args.label, "mode": mode, "k": None if mode == "ar" else args.k, "tp": args.tp,
                            "max_batch": max_batch,
@@ -416,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                 for res in results:
                     row = {**context, **res}
                     if row["workload"] == "closed":
-                        row["offline_tokens_per_s"] = offline
-                        row["http_over_offline"] = (row["http_tokens_per_s"] or 0) / offline
+                        row.update(offline_tokens_per_s=offline.tokens_per_s, offline_ttft_p50_ms=offline.ttft_p50_ms,
+                                   offline_ttft_p99_ms=offline.ttft_p99_ms,
+                                   offline_engine_step_ms=offline.engine_step_ms)
+                        row["http_over_offline"] = (row["http_tokens_per_s"] or 0) / offline.tokens_per_s
                     new.append(row)
                     say(f"  {row['workload']} load={row['load']}: http {row['http_tokens_per_s'] or 0:.0f} tok/s"
                         + (f" ({row['http_over_offline']:.2f}x offline)" if row.get("http_over_offline") else "")

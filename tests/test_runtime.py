@@ -614,9 +614,8 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     and feeds only the last two; a worker catching up on the whole committed sequence drafts the same tokens
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
-    import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, RoundRow, VerifierResult
+    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, VerifierResult
 
     k = 3
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
@@ -628,10 +627,15 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
 
+    def round_of(seq, rows, positions):
+        """rows: (slot, valid, tail, takes, all_but_two) per row -> the round's columns."""
+        columns = [list(c) for c in zip(*rows)]
+        return DraftRound(seq, k, *columns, seeds, positions)
+
     def compare(rows, positions, *sources):
-        ids, _ = ahead.draft(DraftRound(1, rows, k, seeds, positions), *sources)
-        full = [RoundRow(slot, 0, seq) for slot, seq in zip(slots, sequences)]   # catch up from scratch
-        ref, _ = scratch.draft(DraftRound(0, full, k, seeds, [len(s) - len(p) for s, p in zip(sequences, prompts)]))
+        ids, _ = ahead.draft(round_of(1, rows, positions), *sources)
+        full = [(slot, 0, seq, [], False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
+        ref, _ = scratch.draft(round_of(0, full, [len(s) - len(p) for s, p in zip(sequences, prompts)]))
         assert ids["ids"] == ref["ids"]
         if draft_temperature:   # q travels packed: the drafter's top 64 (prob, id) pairs of the 512-token vocabulary
             assert ids["probs"].shape == (3, k, 2 * 64) and np.allclose(ids["probs"], ref["probs"], atol=1e-6)
@@ -640,14 +644,14 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
         return ids["ids"]
 
     # new rows: committed = the prompt (the drafter holds it), tokens from the prefill, then the first verify
-    rows = [RoundRow(slot, max(0, len(p) - 2), p[-2:], [(0, i), (1, i)], True)
+    rows = [(slot, max(0, len(p) - 2), p[-2:], [(0, i), (1, i)], True)
             for i, (slot, p) in enumerate(zip(slots, prompts))]
     drafts = compare(rows, [0, 0, 0], prefill_result, verify_result)
     for accepted in ([1, 3, 0], [0, 2, 3]):   # part, all, none of the drafts accepted (then one new token)
         committed = sequences
         emitted = [d[:a] + [50 + a] for d, a in zip(drafts, accepted)]
         sequences = [s + e for s, e in zip(committed, emitted)]
-        rows = [RoundRow(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
+        rows = [(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
         drafts = compare(rows, [len(c) - len(p) for c, p in zip(committed, prompts)],
                          VerifierResult(emitted, None, 0.0))
 

@@ -155,6 +155,17 @@ def test_streaming_equals_non_streaming(server, tok, chat):
     assert len(entries if chat else streamed_tokens) == whole["usage"]["completion_tokens"] == 24
 
 
+def test_a_streams_last_event_usage_and_done_go_out_together(server):
+    """The end of a stream is one body message (one Serve item through the proxy, one HTTP chunk), not three."""
+    r = api.post(server + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 8, "ignore_eos": True,
+                                                   "stream": True, "stream_options": {"include_usage": True}},
+                 stream=True, timeout=120)
+    chunks = [c.decode() for c in r.raw.read_chunked(decode_content=True) if c]
+    assert chunks[-1].count("data: ") == 3 and chunks[-1].endswith("data: [DONE]\n\n"), chunks[-2:]
+    finish, used = (json.loads(e[len("data: "):]) for e in chunks[-1].split("\n\n")[:2])
+    assert finish["choices"][0]["finish_reason"] == "length" and used["usage"]["completion_tokens"] == 8
+
+
 def test_stop_string_cuts_text_and_tokens(client, server):
     prompt = PROMPTS[1]
     free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, logprobs=1)

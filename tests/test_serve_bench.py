@@ -39,6 +39,8 @@ def test_smoke(ray_cluster, tmp_path):
     assert closed["http_tokens_per_s"] > 0 and closed["offline_tokens_per_s"] > 0
     assert closed["http_over_offline"] == pytest.approx(closed["http_tokens_per_s"] / closed["offline_tokens_per_s"])
     assert closed["ttft_p50_ms"] <= closed["ttft_p99_ms"] and closed["chunk_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]
+    # the offline engine's own TTFT of the burst (its queueing included) and step, to read the HTTP ones against
+    assert 0 < closed["offline_ttft_p50_ms"] <= closed["offline_ttft_p99_ms"] and closed["offline_engine_step_ms"] > 0
     online = next(r for r in rows if r["workload"] == "online")
     assert online["load"] == 0.5 and online["rate_rps"] > 0 and online["errors"] == 0, online["first_error"]
     md = (tmp_path / "serve_vs_offline_cpu.md").read_text()

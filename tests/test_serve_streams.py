@@ -1,14 +1,40 @@
 """serve/streams.py with a real Mailbox actor in the session's Ray cluster: the engine side sends a request's outputs
-merged, at most once per interval except its first and last; the ingress side hands them to their requests' queues,
-and fails the requests of a mailbox that died."""
+merged, at most once per interval except its first and last; the ingress side applies each delivery to its
+requests off the loop, and fails the requests of a mailbox that died."""
 import asyncio
+import concurrent.futures
 import pickle
+import threading
 import time
 
 import pytest
 
 from minedraft_ray.runtime.manager import StepOutput
 from minedraft_ray.serve.streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
+
+
+class Outputs:
+    """A request's side of the router (serve.streams.OutputReceiver): its outputs, in an asyncio queue once woken;
+    the threads its deliveries were applied on."""
+
+    def __init__(self):
+        self.applied: list[StepOutput] = []
+        self.threads: set[str] = set()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def apply(self, outs: list[StepOutput]) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.applied += outs
+
+    def wake(self) -> None:
+        while self.applied:
+            self.queue.put_nowait(self.applied.pop(0))
+
+    async def get(self) -> StepOutput:
+        return await self.queue.get()
+
+    def empty(self) -> bool:
+        return self.queue.empty() and not self.applied
 
 
 def unpickled(batches: list[bytes]) -> list[StepOutput]:
@@ -39,7 +65,7 @@ def test_merge_outputs():
     assert merge_outputs(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None
 
 
-def test_batches_per_interval_and_urgent_outputs_go_at_once(ray_cluster):
+def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
     async def scenario():
         mailbox = start_mailbox()
         await mailbox.alive.remote()   # the actor is up
@@ -55,9 +81,12 @@ def test_batches_per_interval_and_urgent_outputs_go_at_once(ray_cluster):
         assert time.perf_counter() - t0 >= 0.95
         assert {o.request_id: o.new_token_ids for o in batched} == {"a": [2, 3, 4], "b": [12, 13, 14]}
         t1 = time.perf_counter()
-        batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once
-        last = unpickled(await mailbox.take.remote("ingress"))
-        assert last[0].finished and time.perf_counter() - t1 < 0.8
+        batcher.put("ingress", StepOutput("b", [15]))                    # waits for the next interval
+        batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once,
+        last = unpickled(await mailbox.take.remote("ingress"))          # alone (b keeps its interval)
+        assert [(o.request_id, o.finished) for o in last] == [("a", True)] and time.perf_counter() - t1 < 0.8
+        grid = unpickled(await mailbox.take.remote("ingress"))
+        assert [o.new_token_ids for o in grid] == [[15]] and time.perf_counter() - t0 >= 1.95
         assert await mailbox.take.remote("ingress", 0.1) == []          # nothing left: an empty answer
         import ray
         ray.kill(mailbox)
@@ -70,8 +99,10 @@ def test_router_hands_outputs_to_their_requests_and_fails_them_when_the_mailbox_
 
     async def scenario():
         mailbox = start_mailbox()
-        router = StreamRouter("ingress-1")
-        qa, qb = router.open("a"), router.open("b")
+        router = StreamRouter("ingress-1", concurrent.futures.ThreadPoolExecutor(1))
+        qa, qb = Outputs(), Outputs()
+        router.open("a", qa)
+        router.open("b", qb)
         router.watch("a", Accepted(mailbox, "engine-1"))
         router.watch("b", Accepted(mailbox, "engine-1"))
         assert len(router.pollers) == 1                                  # one long-poll per mailbox
@@ -80,6 +111,8 @@ def test_router_hands_outputs_to_their_requests_and_fails_them_when_the_mailbox_
                                      "ingress-2": pickle.dumps([StepOutput("c", [4])])})
         assert (await asyncio.wait_for(qa.get(), 10)).new_token_ids == [1]
         assert (await asyncio.wait_for(qb.get(), 10)).new_token_ids == [2]
+        # one delivery, applied on the pool (off the loop that serves the clients)
+        assert qa.threads == qb.threads and threading.current_thread().name not in qa.threads
         router.close("b")
         ray.kill(mailbox)                                               # its engine replica died with it
         failed = await asyncio.wait_for(qa.get(), 30)

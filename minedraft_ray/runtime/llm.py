@@ -19,12 +19,29 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ..config import EngineConfig
 from ..engine.engine import GenerationOutput
 from ..engine.sampling import SamplingParams
-from .manager import BatchManager, StepOutput
+from .manager import BatchManager, EngineDeadError, StepOutput
 from .placement import create_placement_group
 from .workers import WorkerSet
 
 # one output record for the in-process engine and the Ray runtime
 RequestOutput = GenerationOutput
+
+
+class CollectedOutput:
+    """A request's outputs gathered into one (BatchManager.submit's sink); `done` once the last is in."""
+
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.last: StepOutput | None = None
+        self.done = asyncio.Event()
+
+    def put_nowait(self, out: StepOutput) -> None:
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs or []
+        if out.finished:
+            self.last = out
+            self.done.set()
 
 
 @ray.remote
@@ -39,15 +56,22 @@ class ManagerActor:
         return self.manager.worker_info
 
     async def generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[dict]:
-        async def one(prompt, p):
-            ids, logprobs, last = [], [], None
-            async for out in self.manager.generate(prompt, p, bounded=False, interval_s=0.0):
-                ids += out.new_token_ids
-                logprobs += out.logprobs or []
-                last = out
-            return {"request_id": last.request_id, "prompt_token_ids": prompt, "token_ids": ids,
-                    "finish_reason": last.finish_reason, "stats": last.stats, "logprobs": logprobs or None}
-        return await asyncio.gather(*(one(pr, p) for pr, p in zip(prompts, params)))
+        # each request's outputs collected by a sink as the steps commit them: no task per request wakes per step
+        outputs, ids = [CollectedOutput() for _ in prompts], []
+        try:
+            for prompt, p, out in zip(prompts, params, outputs):
+                ids.append(self.manager.submit(prompt, p, None, out, bounded=False))   # a bad request raises
+            await asyncio.gather(*(out.done.wait() for out in outputs))
+        finally:   # refused or cancelled: nobody wants the rest
+            for request_id, out in zip(ids, outputs):
+                if not out.done.is_set():
+                    await self.manager.abort(request_id)
+        for out in outputs:
+            if out.last.error:
+                raise EngineDeadError(out.last.error)
+        return [{"request_id": out.last.request_id, "prompt_token_ids": prompt, "token_ids": out.token_ids,
+                 "finish_reason": out.last.finish_reason, "stats": out.last.stats, "logprobs": out.logprobs or None}
+                for prompt, out in zip(prompts, outputs)]
 
     async def generate_stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None):
         async for out in self.manager.generate(prompt, params, request_id):

@@ -40,7 +40,7 @@ from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, Schedul
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import DraftRound, PrefillRow, RoundRow, SamplingRow, WorkerSet
+from .workers import DraftRound, PrefillRow, SamplingRow, WorkerSet
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -234,13 +234,13 @@ class BatchManager:
             if not state.request.finished:
                 await self.abort(state.id)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink: OutputSink,
-               bounded: bool = True) -> None:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink: OutputSink,
+               bounded: bool = True) -> str:
         """Queue a request whose outputs go to `sink.put_nowait` as the steps produce them (not coalesced; the
         last one is finished, with the error if the engine failed). Refusals raise here. For callers that batch
         the outputs of many requests themselves (the Serve engine replica): no task per request wakes per step.
-        A caller that stops listening aborts the request."""
-        self._register(prompt_ids, params, request_id, sink, bounded)
+        A caller that stops listening aborts the request. -> the request's id."""
+        return self._register(prompt_ids, params, request_id, sink, bounded).id
 
     def _register(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, sink: OutputSink,
                   bounded: bool) -> RequestState:
@@ -431,7 +431,8 @@ class BatchManager:
         verify: VerifyPlan = task.plan
         if task.kind == "step":
             t_draft = result.draft_ms
-        num_drafts = [self.k if i >= 0 else 0 for i in verify.draft_index]
+        k = self.k
+        num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
         record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted)
         self._prefill_ms = 0.0
@@ -583,20 +584,25 @@ class BatchManager:
         flight: a prefill's first token, and (drafted ahead) the tokens of the verify `after`, which Ray hands
         over when they exist (or the link brings)."""
         sources, source_of = ([after.tokens_to or after.ref] if after is not None else []), {}
-        rows = []
-        for row, spec in zip(draft_rows([r.state.request for r in round_.rows]), round_.rows):
+        requests = [spec.state.request for spec in round_.rows]
+        slots, valid, tails, takes_of, all_but_two = [], [], [], [], []
+        for row, spec in zip(draft_rows(requests), round_.rows):
             takes = []
             if spec.from_prefill is not None:
-                if id(spec.from_prefill) not in source_of:
-                    source_of[id(spec.from_prefill)] = len(sources)
+                source = source_of.get(id(spec.from_prefill))
+                if source is None:
+                    source = source_of[id(spec.from_prefill)] = len(sources)
                     sources.append(spec.from_prefill.handle)
-                takes.append((source_of[id(spec.from_prefill)], spec.state.prefill_row))
+                takes.append((source, spec.state.prefill_row))
             if spec.verify_row >= 0:
                 takes.append((0, spec.verify_row))
-            rows.append(RoundRow(row.slot, row.valid, row.catchup, takes, spec.all_but_two))
-        requests = [r.state.request for r in round_.rows]
-        message = DraftRound(self.actors.next_drafter_seq(), rows, self.k, [r.seed for r in requests],
-                             [len(r.output_ids) for r in requests])
+            slots.append(row.slot)
+            valid.append(row.valid)
+            tails.append(row.catchup)
+            takes_of.append(takes)
+            all_but_two.append(spec.all_but_two)
+        message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two,
+                             [r.seed for r in requests], [len(r.output_ids) for r in requests])
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:

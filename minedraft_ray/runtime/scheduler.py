@@ -111,7 +111,7 @@ class PrefillPlan:
         return sum(c.stop - c.start for c in self.chunks)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)   # built for every member every step: no frozen __setattr__, so cheap
 class DraftRow:
     """One row of a draft round: a request, and where the tokens it ends with come from. Past its committed
     tokens come the first token of its prefill in flight (`from_prefill`) and the tokens of the verify the

@@ -96,7 +96,7 @@ class CollectiveChannel(DraftChannel):
         await drafter.join_link.remote(self.generation, prefix)
 
     def submit(self, drafter, verifier, round_, sources):
-        key = LinkRound(self._next_key, len(round_.rows), round_.k, self.generation)
+        key = LinkRound(self._next_key, round_.num_rows, round_.k, self.generation)
         self._next_key += 1
         return key, drafter.draft_over.remote(key, round_, *sources)
 

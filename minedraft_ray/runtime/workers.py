@@ -161,27 +161,29 @@ def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
 
 
 @dataclass(frozen=True)
-class RoundRow:
-    """One request of a draft round. Its sequence past the `valid` tokens its drafter slot holds is `tail` (its
-    committed tokens) followed by the tokens it `takes`: (source, row) pairs naming a row of a verifier result
-    passed with the round (a prefill's first token, a verify's emitted tokens), in order. With `all_but_two`
-    the slot already holds all of that sequence but its last two tokens, so only those are fed."""
-    slot: int
-    valid: int
-    tail: list[int]
-    takes: list[tuple[int, int]] = ()
-    all_but_two: bool = False
-
-
-@dataclass(frozen=True)
 class DraftRound:
-    """A drafter task: k drafts for each row. positions: each row's output position of its first draft before
-    the taken tokens (the noise key of probabilistic drafting)."""
+    """A drafter task: k drafts for each of its rows. It travels column by column (one list per field, entry i
+    for row i), since Ray serializes a few flat lists much faster than a list of row objects, and a round is
+    sent every step.
+
+    Row i's sequence past the valid[i] tokens its drafter slot slots[i] holds is tails[i] (its committed tokens)
+    followed by the tokens it takes: takes[i] lists (source, row) pairs naming a row of a verifier result passed
+    with the round (a prefill's first token, a verify's emitted tokens), in order. With all_but_two[i] the slot
+    already holds all of that sequence but its last two tokens, so only those are fed. positions[i]: the row's
+    output position of its first draft before the taken tokens (the noise key of probabilistic drafting)."""
     seq: int
-    rows: list[RoundRow]
     k: int
+    slots: list[int]
+    valid: list[int]
+    tails: list[list[int]]
+    takes: list[list[tuple[int, int]]]
+    all_but_two: list[bool]
     seeds: list[int]
     positions: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
 
 
 @dataclass(frozen=True)
@@ -516,20 +518,21 @@ class DrafterWorker(_Worker):
     def _draft(self, round_: DraftRound, *sources, on_host: bool = True):
         """Drafter task round_.seq. sources: results of verifier tasks (prefill, verify) still in flight when the
         round was submitted, which Ray passes in once they exist, or (the collective channel) the LinkTokens a
-        verify sends them under; rows take their tokens from these (RoundRow).
+        verify sends them under; rows take their tokens from these (DraftRound.takes).
         -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host,
         or left on the device with `on_host` False; device ms)."""
         draft_rows, positions, error = [], list(round_.positions), None
         try:   # outside the turn: the previous round's device work runs meanwhile
             tokens = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s.tokens for s in sources]
-            for i, row in enumerate(round_.rows):
-                valid, catchup = row.valid, list(row.tail)
-                for source, source_row in row.takes:
+            for i, (slot, valid, tail, takes, all_but_two) in enumerate(zip(
+                    round_.slots, round_.valid, round_.tails, round_.takes, round_.all_but_two)):
+                catchup = list(tail)
+                for source, source_row in takes:
                     catchup += tokens[source][source_row]   # a prefill's or verify's emitted tokens of that row
-                positions[i] += len(catchup) - len(row.tail)
-                if row.all_but_two:
+                positions[i] += len(catchup) - len(tail)
+                if all_but_two:
                     valid, catchup = valid + len(catchup) - 2, catchup[-2:]
-                draft_rows.append(DraftRow(row.slot, valid, catchup))
+                draft_rows.append(DraftRow(slot, valid, catchup))
         except Exception as e:  # noqa: BLE001 - raised in the turn, which is then handed on
             error = e
         with self._turn(round_.seq):

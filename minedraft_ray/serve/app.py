@@ -36,6 +36,7 @@ import logging
 import os
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,7 +59,7 @@ from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, eng
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
-from .streams import Accepted, OutputBatcher, RequestSink, StreamRouter, merge_outputs, start_mailbox
+from .streams import Accepted, OutputBatcher, RequestSink, StreamRouter, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -212,13 +213,15 @@ class Event:
 
 
 class Choice:
-    """One output sequence: an engine stream plus the text built from it."""
+    """One output sequence: an engine stream plus the text built from it.
+
+    The router applies each delivery of its outputs (`apply`, on the pool, with every other request of the
+    delivery): tokens become text and the text an Event, queued for `events` on the loop."""
 
     def __init__(self, engine: DeploymentHandle, router: StreamRouter, index: int, prompt_ids: list[int],
                  params: SamplingParams, stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
-                 pool: concurrent.futures.Executor, eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.engine, self.router, self.index, self.prompt_ids, self.params = engine, router, index, prompt_ids, params
-        self.pool = pool
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
         self.timer = timer
@@ -229,11 +232,12 @@ class Choice:
         self.finish_reason: str | None = None
         self.stats: dict | None = None
         self.stream = None            # the request's Serve call: open while it runs, cancelled to abort it
-        self.outputs: asyncio.Queue | None = None
-        self.done = False
+        self.ready: deque[Event | Exception] = deque()   # made by `apply`, taken by `events`
+        self.woken = asyncio.Event()
+        self.done = False             # the engine's last output is in (or the request was given up)
 
     def submit(self) -> None:
-        self.outputs = self.router.open(self.request_id)
+        self.router.open(self.request_id, self)
         self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id,
                                                                        self.router.subscriber)
 
@@ -245,20 +249,25 @@ class Choice:
             raise queue_full() if first.reason == "queue_full" else engine_unavailable()
         self.router.watch(self.request_id, first)
 
-    async def _next_output(self) -> StepOutput:
-        """The next output, merged with any that queued up behind it (one event for what came in one batch)."""
-        out = await self.outputs.get()
-        while not out.finished and not self.outputs.empty():
-            out = merge_outputs(out, self.outputs.get_nowait())
-        if out.error:
-            raise EngineDeadError(out.error)
-        return out
+    # ---- on the router's pool ------------------------------------------------------------------------
+    def apply(self, outs: list[StepOutput]) -> None:
+        """One delivery of outputs -> at most one Event (or the engine's error) queued."""
+        try:
+            for out in outs:
+                if self.text.finished:   # a stop string ended the text: only the engine's last output matters
+                    if out.finished or out.error:
+                        self.stats, self.done = out.stats, True
+                    continue
+                if out.error:
+                    self.ready.append(EngineDeadError(out.error))
+                    return
+                self._add(out)
+            if not self.text.stopped:   # after a stop string `events` makes the final event, once aborted
+                self._queue_event()
+        except Exception as e:  # noqa: BLE001 - a bug here fails this stream only (an internal error)
+            self.ready.append(e)
 
-    async def _apply_off_loop(self, out: StepOutput) -> None:
-        """Detokenizing runs on the pool: the event loop keeps serving the other clients meanwhile."""
-        await asyncio.get_running_loop().run_in_executor(self.pool, self._apply, out)
-
-    def _apply(self, out: StepOutput) -> None:
+    def _add(self, out: StepOutput) -> None:
         if out.logprobs:
             self.logprobs += out.logprobs
         if out.new_token_ids:
@@ -274,6 +283,23 @@ class Choice:
         if stopped:
             self.finish_reason = "stop"
 
+    def _queue_event(self) -> None:
+        """The text released since the last event (the final event once the text is finished)."""
+        chunk, tokens = self.text.take()
+        if self.text.finished:
+            tokens = self.text.num_tokens
+        event = Event(self.index, chunk, self.logprobs[self.sent_tokens:tokens], self.sent_tokens)
+        self.sent_tokens = tokens
+        if self.text.finished:
+            event.finish_reason, event.stats, event.stop_reason = self.finish_reason, self.stats, self.stop_reason
+            self.ready.append(event)
+        elif chunk or event.logprobs:
+            self.ready.append(event)
+
+    # ---- on the loop ---------------------------------------------------------------------------------
+    def wake(self) -> None:
+        self.woken.set()
+
     @property
     def stop_reason(self) -> str | int | None:
         """vLLM's stop_reason: the stop string or stop_token_ids entry that ended the output; None for EOS,
@@ -287,24 +313,34 @@ class Choice:
             return None
         return self.last_token if self.last_token in self.params.stop_token_ids else None
 
+    async def _woken(self) -> None:
+        self.woken.clear()
+        if not self.ready:
+            await self.woken.wait()
+
     async def events(self):
         """Yields Events until the choice ends (EOS, max_tokens or a stop string)."""
         while True:
-            if self.text.finished and not self.done:   # a stop string: the engine is still generating
-                await self._abort()
-            chunk, tokens = self.text.take()
-            if self.text.finished:
-                tokens = self.text.num_tokens
-            event = Event(self.index, chunk, self.logprobs[self.sent_tokens:tokens], self.sent_tokens)
-            self.sent_tokens = tokens
-            if self.text.finished:
-                event.finish_reason, event.stats, event.stop_reason = self.finish_reason, self.stats, self.stop_reason
-                self.timer.on_finished(self.finish_reason, self.stats)
-                yield event
-                return
-            if chunk or event.logprobs:
-                yield event
-            await self._apply_off_loop(await self._next_output())
+            while self.ready:
+                item = self.ready.popleft()
+                if isinstance(item, Exception):
+                    raise item
+                # deliveries that queued up while the client's stream was busy go out as one chunk
+                while self.ready and not item.finish_reason and isinstance(self.ready[0], Event):
+                    later = self.ready.popleft()
+                    item = Event(item.index, item.text + later.text, item.logprobs + later.logprobs, item.first_token,
+                                 later.finish_reason, later.stats, later.stop_reason)
+                if item.finish_reason:
+                    self.timer.on_finished(item.finish_reason, item.stats)
+                    yield item
+                    return
+                yield item
+            if self.text.stopped:   # a stop string ended the text; the engine may still be generating
+                if not self.done:
+                    await self._abort()
+                self._queue_event()   # the final one (the text no longer changes: safe on the loop)
+                continue
+            await self._woken()
 
     async def _abort(self) -> None:
         """Stop the engine request after a stop string, keeping its stats from the final output.
@@ -315,12 +351,13 @@ class Choice:
         async def drain():
             if not await self.engine.abort.remote(self.request_id):
                 raise LookupError(self.request_id)
-            while not (out := await self._next_output()).finished:
-                pass
-            self.stats, self.done = out.stats, True
+            while not self.done:
+                self.woken.clear()
+                if not self.done:
+                    await self.woken.wait()
         try:
             await asyncio.wait_for(drain(), ABORT_DRAIN_S)
-        except (asyncio.TimeoutError, LookupError, EngineDeadError):
+        except (asyncio.TimeoutError, LookupError):
             self.close()
         self.done = True
 
@@ -399,7 +436,6 @@ class OpenAIServer:
         self.ignored = IgnoredFields(self.metrics.ignored_fields)
         # engine request id -> its Choice while one exists: ids in use get no second request
         self.choices: weakref.WeakValueDictionary[str, Choice] = weakref.WeakValueDictionary()
-        self.router = StreamRouter(serve.get_replica_context().replica_id.unique_id)
         # prompts are encoded by a Rust tokenizer of their own, which counts tokens before any Python list
         # is built; a long encode holds its tokenizer's lock, which would stall every stream's detokenizing
         # on the shared one
@@ -413,6 +449,7 @@ class OpenAIServer:
         if self.encoder is not None and self.encoder.normalizer is None:
             self.chars_per_token = max(map(len, self.encoder.get_vocab(with_added_tokens=True)))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="minedraft-tokens")
+        self.router = StreamRouter(serve.get_replica_context().replica_id.unique_id, self.pool)
         self.limits = IngressLimits.from_config(self.config)
         self.strings = TokenStrings(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
@@ -501,7 +538,7 @@ class OpenAIServer:
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
                 choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}",
-                                      self.tokenizer, self.metrics.request(len(prompt)), self.pool, self.eos_token_ids))
+                                      self.tokenizer, self.metrics.request(len(prompt)), self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
@@ -566,6 +603,7 @@ class OpenAIServer:
         head = {**head, "object": "chat.completion.chunk" if kind == "chat.completion" else kind}
         by_index = {c.index: c for c in choices}
         started, finished = set(), set()
+        tail: list[str] = []   # the last event goes out with the usage and [DONE]: one Serve item, not three
         try:
             async for ev in _merge(choices):
                 choice = {"index": ev.index}
@@ -585,10 +623,13 @@ class OpenAIServer:
                 chunk = {**head, "choices": [choice]}
                 if ev.finish_reason:
                     chunk["minedraft"] = spec_stats([ev.stats], self.config.mode, self.config.k)
-                yield _sse(chunk)
+                if len(finished) == len(choices):
+                    tail.append(_sse(chunk))
+                else:
+                    yield _sse(chunk)
             if req.stream_options is not None and req.stream_options.include_usage:
                 completion_tokens = sum(c.num_tokens for c in choices)
-                yield _sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+                tail.append(_sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}))
         except Exception as e:  # the headers are sent: each open choice ends, then the error goes into the stream
             err = engine_error(e)
             if err is None:
@@ -600,9 +641,9 @@ class OpenAIServer:
                 if c.index not in finished:
                     end = {"index": c.index, "finish_reason": STREAM_ERROR_FINISH_REASON, "logprobs": None}
                     end.update({"delta": {}} if kind == "chat.completion" else {"text": ""})
-                    yield _sse({**head, "choices": [end]})
-            yield _sse(err.body())
-        yield _sse("[DONE]")
+                    tail.append(_sse({**head, "choices": [end]}))
+            tail.append(_sse(err.body()))
+        yield "".join(tail) + _sse("[DONE]")
 
     def _num_top(self, req) -> int | None:
         return req.logprobs if isinstance(req, CompletionRequest) else req.num_logprobs()

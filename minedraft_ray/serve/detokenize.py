@@ -13,6 +13,8 @@ held back until it is known not to be one.
 """
 from __future__ import annotations
 
+import bisect
+
 import json
 import re
 
@@ -142,10 +144,7 @@ class OutputText:
 
     def tokens_within(self, chars: int) -> int:
         """Number of leading tokens whose text ends within the first `chars` characters."""
-        n = 0
-        while n < len(self.token_ends) and self.token_ends[n] <= chars:
-            n += 1
-        return n
+        return bisect.bisect_right(self.token_ends, chars)   # token_ends never decreases
 
 
 # ---------------------------------------------------------------- token strings for logprobs

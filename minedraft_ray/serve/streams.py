@@ -8,18 +8,20 @@ at a few hundred streams the items, not the engine, set the pace. Here a request
 (cancelling it aborts the request on the replica that holds it); the manager puts its outputs into a `RequestSink`,
 straight into the replica's `OutputBatcher`, which merges each request's outputs and sends everything pending to
 the replica's `Mailbox` actor in one call per `stream_interval_ms` (a request's first output and its last go at
-once). Each ingress replica long-polls the
-mailboxes of the engine replicas it has requests on (`StreamRouter`) and hands the outputs to their requests'
-queues. The mailbox is owned by the engine replica's process, so it dies with it and the pollers see the failure.
+once). Each ingress replica long-polls the mailboxes of the engine replicas it has requests on (`StreamRouter`) and
+applies each delivery to its requests in one call off the event loop. The mailbox is owned by the engine replica's
+process, so it dies with it and the pollers see the failure.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import pickle
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -104,16 +106,19 @@ def start_mailbox():
 
 
 class OutputBatcher:
-    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox at most
-    once per interval; a request's first output and its last are sent at once."""
+    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox on a
+    grid of one flush per interval; a request's first output and its last go at once, alone (with what that request
+    had pending), so neither an arrival nor a finish sends the other requests an extra chunk or shifts their grid."""
 
     def __init__(self, mailbox, interval_s: float):
         self.mailbox, self.interval_s = mailbox, interval_s
         self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
+        self.urgent: dict[str, set[str]] = {}                 # subscriber -> request ids to send at once
         self.seq = 0
-        self.last_flush = 0.0
-        self.scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
-        self.scheduled_at = 0.0
+        self.next_tick = 0.0          # the grid: the earliest time of the next interval's flush
+        self.due = 0.0                # when the scheduled interval's flush is due
+        self.tick: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.rush: asyncio.Handle | None = None
 
     def put(self, subscriber: str, out: StepOutput, urgent: bool = False) -> None:
         outs = self.pending.setdefault(subscriber, {})
@@ -121,24 +126,49 @@ class OutputBatcher:
         outs[out.request_id] = out if prev is None else merge_outputs(prev, out)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        due = now if urgent or out.finished else max(now, self.last_flush + self.interval_s)
-        if self.scheduled is not None and self.scheduled_at <= due:
+        if urgent or out.finished:
+            self.urgent.setdefault(subscriber, set()).add(out.request_id)
+            if self.rush is None:
+                self.rush = loop.call_soon(self._flush_urgent)
+            if self.tick is None and self.next_tick <= now:   # an idle grid starts here: next output an interval on
+                self.next_tick = now + self.interval_s
             return
-        if self.scheduled is not None:
-            self.scheduled.cancel()
-        self.scheduled_at = due
-        self.scheduled = loop.call_soon(self.flush) if due <= now else loop.call_at(due, self.flush)
+        if self.tick is None:
+            self.due = max(now, self.next_tick)
+            self.tick = loop.call_soon(self.flush) if self.due <= now else loop.call_at(self.due, self.flush)
+
+    def _send(self, batch: dict[str, list[StepOutput]]) -> None:
+        if batch:
+            self.mailbox.put.remote(self.seq, {subscriber: pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
+                                               for subscriber, outs in batch.items()})
+            self.seq += 1
+
+    def _flush_urgent(self) -> None:
+        self.rush = None
+        batch = {}
+        for subscriber, ids in self.urgent.items():
+            outs = self.pending.get(subscriber, {})
+            batch[subscriber] = [outs.pop(i) for i in ids if i in outs]
+            if not outs:
+                self.pending.pop(subscriber, None)
+        self.urgent = {}
+        self._send({subscriber: outs for subscriber, outs in batch.items() if outs})
 
     def flush(self) -> None:
-        self.scheduled = None
-        if not self.pending:
-            return
-        batch = {subscriber: pickle.dumps(list(outs.values()), protocol=pickle.HIGHEST_PROTOCOL)
-                 for subscriber, outs in self.pending.items()}
+        """The interval's flush: everything pending. The next one is due an interval after this one was (lateness
+        does not add up)."""
+        now = asyncio.get_running_loop().time()
+        self.tick = None
+        self.next_tick = self.due + self.interval_s
+        if self.next_tick < now:   # the loop was held up for over an interval: start the grid afresh
+            self.next_tick = now + self.interval_s
+        self.urgent = {}   # their outputs go now, with the rest
+        if self.rush is not None:
+            self.rush.cancel()
+            self.rush = None
+        batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items() if outs}
         self.pending = {}
-        self.last_flush = asyncio.get_running_loop().time()
-        self.mailbox.put.remote(self.seq, batch)
-        self.seq += 1
+        self._send(batch)
 
 
 class RequestSink:
@@ -157,47 +187,78 @@ class RequestSink:
             self.done.set()
 
 
-class StreamRouter:
-    """Ingress side: one long-poll per engine replica's mailbox, its outputs handed to their requests' queues."""
+class OutputReceiver(Protocol):
+    """Ingress side, one request: what the router hands its outputs to."""
 
-    def __init__(self, subscriber: str):
-        self.subscriber = subscriber
-        self.queues: dict[str, asyncio.Queue] = {}
+    def apply(self, outs: list[StepOutput]) -> None:
+        """The request's outputs of one delivery, in order. Runs on the router's pool (or its loop without one),
+        for every request of the delivery in one call; must not raise."""
+
+    def wake(self) -> None:
+        """On the loop, after `apply`: outputs were applied."""
+
+
+class StreamRouter:
+    """Ingress side: one long-poll per engine replica's mailbox; each delivery (every request's outputs of an
+    interval) is unpickled and applied to its requests in one call on `pool`, then the requests are woken. Per
+    request and chunk that leaves no thread hop and no task wake-up but its own; the detokenizing stays off the
+    loop that serves the other clients."""
+
+    def __init__(self, subscriber: str, pool: concurrent.futures.Executor | None = None):
+        self.subscriber, self.pool = subscriber, pool
+        self.receivers: dict[str, OutputReceiver] = {}
         self.mailbox_of: dict[str, str] = {}          # request id -> mailbox key
         self.pollers: dict[str, asyncio.Task] = {}    # mailbox key -> its poll task
 
-    def open(self, request_id: str) -> asyncio.Queue:
-        queue = self.queues[request_id] = asyncio.Queue()
-        return queue
+    def open(self, request_id: str, receiver: OutputReceiver) -> None:
+        self.receivers[request_id] = receiver
 
     def close(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        self.receivers.pop(request_id, None)
         self.mailbox_of.pop(request_id, None)
 
     def watch(self, request_id: str, accepted: Accepted) -> None:
         """The request's outputs come from `accepted`'s mailbox: poll it (once per mailbox)."""
-        if request_id not in self.queues:
+        if request_id not in self.receivers:
             return
         self.mailbox_of[request_id] = accepted.key
         if accepted.key not in self.pollers:
             self.pollers[accepted.key] = asyncio.get_running_loop().create_task(self._poll(accepted))
 
+    def _deliver(self, batches: list[bytes]) -> list[OutputReceiver]:
+        """Unpickle a delivery and apply each request's outputs (on the pool) -> the receivers to wake."""
+        outs_of: dict[str, list[StepOutput]] = {}
+        for batch in batches:
+            for out in pickle.loads(batch):
+                outs_of.setdefault(out.request_id, []).append(out)
+        applied = []
+        for request_id, outs in outs_of.items():
+            receiver = self.receivers.get(request_id)   # closed meanwhile (the client left): dropped
+            if receiver is not None:
+                receiver.apply(outs)
+                applied.append(receiver)
+        return applied
+
     async def _poll(self, accepted: Accepted) -> None:
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                for batch in await accepted.mailbox.take.remote(self.subscriber):
-                    for out in pickle.loads(batch):
-                        queue = self.queues.get(out.request_id)
-                        if queue is not None:
-                            queue.put_nowait(out)
+                batches = await accepted.mailbox.take.remote(self.subscriber)
+                if not batches:
+                    continue
+                applied = self._deliver(batches) if self.pool is None else \
+                    await loop.run_in_executor(self.pool, self._deliver, batches)
+                for receiver in applied:
+                    receiver.wake()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the engine replica (and its mailbox) died: its requests end with the error
             log.warning("engine outputs unreachable (%s): failing its requests", e)
             for request_id, key in list(self.mailbox_of.items()):
-                if key == accepted.key and request_id in self.queues:
-                    self.queues[request_id].put_nowait(StepOutput(request_id, [], finished=True,
-                                                                  finish_reason="abort",
-                                                                  error=f"the engine replica died: {e}"))
+                receiver = self.receivers.get(request_id)
+                if key == accepted.key and receiver is not None:
+                    receiver.apply([StepOutput(request_id, [], finished=True, finish_reason="abort",
+                                               error=f"the engine replica died: {e}")])
+                    receiver.wake()
         finally:
             self.pollers.pop(accepted.key, None)

@@ -1,0 +1,153 @@
+"""psd's per-step host overhead on a CPU, this tree against another (its parent), in alternating runs.
+
+    python -m bench.host_overhead --parent-tree /tmp/parent --parent-sha bd2b7ee --runs 10
+
+The host overhead of a step is the manager's own time in it: from the verifier's result arriving to the next
+tasks submitted and the step recorded (commit, schedule, submit: StepRecord.host_ms, measured alike in both
+trees). Each run is a fresh process (its own local Ray, two logical GPUs, the psd regime forced) generating a
+fixed greedy workload; runs alternate between the two trees so that load on a shared machine falls on both.
+One run needs only the public API both trees have (LLM, SamplingParams, history), so this file runs against
+any tree: `--one` measures the tree on PYTHONPATH and prints one JSON row.
+
+Writes bench/results/host_overhead_cpu.{parquet,md,png}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NAME = "host_overhead_cpu"
+COLUMNS = ["tree", "run", "git_sha", "host_ms_median", "manager_cpu_ms_per_step", "host_ms_mean", "host_ms_p90", "steps",
+           "step_ms_median",
+           "wall_s", "load_before", "max_batch", "k", "max_tokens", "target", "draft", "device"]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_one(args) -> dict:
+    """One run in this process, with the minedraft_ray on sys.path."""
+    import ray
+
+    from minedraft_ray import LLM, SamplingParams
+    from minedraft_ray.runtime.llm import init_local_ray
+
+    init_local_ray(num_gpus=2, _temp_dir=tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    llm = LLM(args.target, args.draft, mode="psd", k=args.k, max_batch=args.max_batch, transport="object_store",
+              torch_threads=1, device="cpu", psd_low_load="psd", psd_high_load="psd")
+    try:
+        n = 2 * args.max_batch
+        prompts = [[(7 * i + j) % 500 + 3 for j in range(32)] for i in range(n)]
+        params = [SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
+                  for i in range(n)]
+        llm.generate(prompts[:4], params[:4])   # warm-up: first calls, allocations
+        pid = ray.get(llm.manager.__ray_call__.remote(lambda actor: os.getpid()))
+        skip = len(llm.history())
+        t0, cpu0 = time.perf_counter(), process_cpu_s(pid)
+        for _ in range(args.repeats):
+            llm.generate(prompts, params)
+        wall, cpu = time.perf_counter() - t0, process_cpu_s(pid) - cpu0
+        everything = llm.history()[skip:]
+        hist = [h for h in everything if h.regime == "psd" and h.drafted and h.verified]
+        host = sorted(h.host_ms for h in hist)
+        return {"steps": len(hist), "manager_cpu_ms_per_step": cpu * 1e3 / len(everything),
+                "host_ms_median": statistics.median(host),
+                "host_ms_mean": statistics.fmean(host), "host_ms_p90": host[int(0.9 * (len(host) - 1))],
+                "step_ms_median": statistics.median(h.step_ms for h in hist), "wall_s": wall,
+                "max_batch": args.max_batch, "k": args.k, "max_tokens": args.max_tokens, "target": args.target,
+                "draft": args.draft, "device": f"cpu ({os.cpu_count()} cores)"}
+    finally:
+        llm.shutdown()
+
+
+def run_tree(tree: Path, args) -> dict:
+    """One run of the tree at `tree` in a fresh process."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--max-batch", str(args.max_batch),
+           "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
+           "--target", args.target, "--draft", args.draft]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"run in {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--one", action="store_true", help="one run of the tree on PYTHONPATH; print a JSON row")
+    ap.add_argument("--parent-tree", type=Path, help="a checkout of the tree to compare against")
+    ap.add_argument("--parent-sha", default="parent")
+    ap.add_argument("--runs", type=int, default=10, help="runs per tree, alternating")
+    ap.add_argument("--target", default="random:tiny")
+    ap.add_argument("--draft", default="random:tiny")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="workload passes per run")
+    ap.add_argument("--note", default="", help="what else ran on the machine")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args)), flush=True)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import command_line, git_sha, write_results
+
+    here = Path(__file__).resolve().parents[1]
+    trees = [("change", here, git_sha())]
+    if args.parent_tree is not None:
+        trees.insert(0, ("parent", args.parent_tree.resolve(), args.parent_sha))
+    rows = []
+    for run in range(args.runs):
+        # alternate which tree goes first, so neither always runs right after the other's shutdown
+        for name, tree, sha in (trees if run % 2 == 0 else trees[::-1]):
+            load = os.getloadavg()[0]
+            row = {"tree": name, "run": run, "git_sha": sha, "load_before": load, **run_tree(tree, args)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    summary = []
+    for name, _, sha in trees:
+        mine = [r["host_ms_median"] for r in rows if r["tree"] == name]
+        summary.append(f"{name} ({sha}): median over runs of the per-run median host_ms = "
+                       f"{statistics.median(mine):.3f} ms (runs: {', '.join(f'{x:.3f}' for x in mine)})")
+    for name, _, sha in trees:
+        mine = [r["manager_cpu_ms_per_step"] for r in rows if r["tree"] == name]
+        summary.append(f"{name} ({sha}): median over runs of the manager process's CPU ms per step = "
+                       f"{statistics.median(mine):.3f} ms")
+    if len(trees) == 2:
+        for column in ("host_ms_median", "manager_cpu_ms_per_step"):
+            p = statistics.median(r[column] for r in rows if r["tree"] == "parent")
+            c = statistics.median(r[column] for r in rows if r["tree"] == "change")
+            summary.append(f"{column}: change / parent = {c / p:.3f}")
+    for line in summary:
+        print(line)
+    device = rows[0]["device"]
+    notes = [*summary,
+             "host_ms: StepRecord.host_ms of steady psd steps (drafted, verified): the manager's time from the "
+             "verifier's result arriving to the next tasks submitted and the step recorded",
+             f"workload: {2 * args.max_batch} requests x {args.max_tokens} greedy tokens (ignore_eos), psd forced "
+             f"(psd_low_load = psd_high_load = psd), object_store channel, torch_threads 1, {args.repeats} passes "
+             "per run after a warm-up; each run a fresh process and local Ray (2 logical GPUs); runs alternate "
+             "between the trees",
+             "manager_cpu_ms_per_step: CPU time (user + system, all threads: Ray's serialization and IO threads "
+             "included) of the manager actor's process over the measured passes / every step recorded; CPU time "
+             "moves less than wall time with the machine's load",
+             "load_before: the 1-minute load average before the run (other sessions share the cores)"]
+    if args.note:
+        notes.append(args.note)
+    write_results(rows, args.out, NAME, COLUMNS, "psd's per-step host overhead on a CPU, change against parent",
+                  command_line("bench.host_overhead"), device, notes)
+
+
+if __name__ == "__main__":
+    main()
