@@ -35,3 +35,21 @@ def tiny_mistral(tmp_path_factory):
 def tiny_llama_draft(tiny_llama, tmp_path_factory):
     # noise 0.02: greedy acceptance ~0.78 at k=1 and ~0.49 at k=5, inside the 0.3..0.9 the tests require
     return make_noised_draft(tiny_llama, tmp_path_factory.mktemp("tiny_llama_draft"), noise=0.02)
+
+
+# the runtime tests' ar references (tests/runtime_common.py's prompts), one per module that asks
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    from runtime_common import LENGTHS, PROMPTS, greedy
+    from minedraft_ray.engine.engine import Engine
+
+    eng = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu")
+    return eng.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+
+
+@pytest.fixture(scope="module")
+def reference_10(tiny_llama):
+    from runtime_common import PROMPTS, greedy
+    from minedraft_ray.engine.engine import Engine
+
+    return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, greedy(10))

@@ -1,0 +1,55 @@
+"""What the runtime test files share: prompts, the ar references, and probes of a running LLM."""
+import time
+
+import ray
+
+from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.testing.channel import wildcard_listeners
+
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n", "a",
+           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "hello world, this is a longer "
+           "prompt that has quite a few more tokens than the others do", "# comment", "while True:", "1 + 1 ="]
+LENGTHS = [5, 30, 12, 1, 24, 17, 9, 28, 3, 20]   # varied lengths: finishes break the batches' balance
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def settled(llm, timeout_s=10.0) -> dict:
+    """The engine's info once no slot is held: a finished request's slot is freed when the step queued
+    behind its last one (sd, ar) commits, just after its final output reached the caller."""
+    deadline = time.time() + timeout_s
+    while (info := llm.info())["slots_in_use"] and time.time() < deadline:
+        time.sleep(0.05)
+    return info
+
+
+def links_in_flight(llm) -> dict:
+    """The collective channel: messages each end of the link sent (or drains it posted) not yet taken."""
+    def count(self):
+        m = self.manager
+        return {name: ray.get(actor.__ray_call__.remote(lambda w: w.link.in_flight))
+                for name, actor in (("verifier", m.verifier), ("drafter", m.drafter))}
+    return ray.get(llm.manager.__ray_call__.remote(count))
+
+
+def links_listening_everywhere(llm) -> dict:
+    """TCP sockets of the verifier's and the drafter's processes listening on 0.0.0.0 or ::."""
+    def found(self):
+        return {name: ray.get(actor.__ray_call__.remote(lambda w: wildcard_listeners()))
+                for name, actor in (("verifier", self.manager.verifier), ("drafter", self.manager.drafter))}
+    return ray.get(llm.manager.__ray_call__.remote(found))
+
+
+def check_balance(history, max_batch=None, min_requests=2):
+    """psd's invariant after every step; steps after which psd ran one sequential batch (low load) are
+    exempt, and that happens only below min_requests, or at most max_batch running when given."""
+    for rec in history:
+        a, b = rec.sizes
+        if rec.extra.get("one_batch"):
+            assert a + b < min_requests or (max_batch is not None and a + b <= max_batch), rec
+            assert 0 in (a, b), rec
+        elif a + b >= 2:
+            assert abs(a - b) <= 1, rec

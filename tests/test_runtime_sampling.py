@@ -1,0 +1,38 @@
+"""Sampling through the Ray runtime's psd follows the target's exact distribution (chi-square)."""
+import pytest
+
+from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime import LLM
+
+
+# the collective channel runs with chunked prompts only: one run covers both (suite time)
+@pytest.mark.parametrize("draft_temperature, transport, chunk", [(0.0, "object_store", None),
+                                                                  (1.0, "object_store", None),
+                                                                  (1.0, "collective", 4)])
+def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport,
+                                           chunk):
+    """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
+    ids, through either draft channel; prompts whole or in chunks of 4 tokens, the last one ending mid-way)
+    gives the target's exact distribution of the first three tokens."""
+    from stats import chi_square_pvalue
+    from test_engine import _exact_three_token_distribution
+    params = dict(temperature=0.8, top_k=3)
+    n = 1500
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=32, torch_threads=1,
+              draft_temperature=draft_temperature, transport=transport, prefill_chunk_tokens=chunk)
+    try:
+        prompt = llm._encode("def fibonacci(n):")
+        assert chunk is None or len(prompt) % chunk, len(prompt)   # chunks end mid-prompt
+        outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
+                                           for s in range(n)])
+        assert any(h.regime == "psd" for h in llm.history())
+        assert llm.info()["drafts_ahead_used"] > 0
+    finally:
+        llm.shutdown()
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    exact = _exact_three_token_distribution(tiny_llama, prompt, SamplingParams(**params))
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
