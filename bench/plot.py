@@ -309,6 +309,8 @@ PLOTS = {
                                "change_over_parent", "tok/s, change / parent",
                                "The runtime change against its parent (same call)"),
     "engine_speed": plot_engine_speed,
+    "engine_parity": bar_plot(lambda r: f"{r['model']} b={r['batch']} q={r['q']} {r['lengths']}", "change_over_parent",
+                              "step ms, change / parent", "The engine step against its parent (same call)"),
     "paged_kv": bar_plot(lambda r: f"{r['part']} {r['variant']}" + (f" q={r['q']}" if r["q"] else ""), "ratio",
                          "paged / static, cached / uncached", "Paged KV: concurrency, prefix cache, decode step"),
     "vs_vllm_cpu": bar_plot(lambda r: f"{r['engine']} {r['mode']} ({r['workload']})", "tokens_per_s", "tokens/s",
