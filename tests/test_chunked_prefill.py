@@ -42,7 +42,7 @@ def reference(tiny_llama):
     return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, [greedy(n) for n in LENGTHS])
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "sd_split", "psd"])
+@pytest.mark.parametrize("mode", ["sd", "psd"])   # ar is sd's chain without drafts, sd_split psd's (suite time)
 def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
     """max_batch 3 of 8 prompts: later prompts are admitted, and chunked, while others decode. Each chunk size
     in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut."""

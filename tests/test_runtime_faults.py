@@ -49,9 +49,9 @@ def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, refer
         llm.shutdown()
 
 
+# each fault on each channel once (suite time: not every pairing)
 @pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
-    ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10),
-    ("hang_at", "collective", 5, 10), ("error_at", "ray_collective", 60, 45), ("hang_at", "ray_collective", 5, 10)])
+    ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10), ("hang_at", "ray_collective", 5, 10)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         ray_cluster, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify
@@ -74,7 +74,7 @@ def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["psd", "sd_split"])
+@pytest.mark.parametrize("mode", ["psd"])   # sd_split shares psd's drafter path (suite time)
 def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_llama_draft, reference_10, mode):
     """New prompts go to the drafter at admission, before any draft: with the drafter already dead, that
     prefill is what fails (one-token requests never draft, so nothing else would notice). The engine
@@ -101,7 +101,7 @@ def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_ll
         llm.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
+@pytest.mark.parametrize("transport", ["collective"])   # the channel whose drafter waits on the verifier's end
 def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft, transport):
     # collective: the drafter waiting on the link for a verify's tokens sees the verifier's end close
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30,
