@@ -9,7 +9,6 @@ import pytest
 import ray
 
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM, make_bundles
 from runtime_common import (LENGTHS, PROMPTS, check_balance, greedy, links_in_flight, links_listening_everywhere,
                             settled)
@@ -187,94 +186,6 @@ def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_d
         llm.shutdown()
 
 
-@pytest.mark.parametrize("load", ["low", "high"])
-def test_psd_measures_both_regimes_and_stays_lossless(ray_cluster, tiny_llama, tiny_llama_draft, load):
-    """Low load (one batch holds every request): psd measures its own and a sequential batch's per-request
-    cadence, psd first. High load (a queue filling both batches): the verifier's time per row in one sequential
-    batch, then split (demand rising from one batch: no drain). Both run the cheaper, and the output still
-    equals ar's token for token."""
-    prompts, n, max_batch = (PROMPTS[:3], 48, 4) if load == "low" else (PROMPTS * 2, 24, 2)
-    reference = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(prompts, greedy(n))
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=max_batch, torch_threads=1,
-              psd_low_load="auto")
-    try:
-        outs = llm.generate(prompts, [greedy(n)] * len(prompts))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-        history = llm.history()
-        regimes = [h.regime for h in history]
-        first, then = ("psd", "seq") if load == "low" else ("seq", "psd")
-        assert regimes.index(first) < regimes.index(then), regimes
-        check_balance(history, max_batch=max_batch)   # sequential steps: at most max_batch ran, the rest queued
-        chosen = llm.info()[f"{load}_load_regime"]
-        metric = "cadence_ms" if load == "low" else "ms_per_row"
-        assert all(v is not None and v > 0 for v in chosen[metric].values()), chosen
-        if load == "low":
-            cadence = {r: [h.cadence_ms for h in history if h.regime == r and h.cadence_ms] for r in ("psd", "seq")}
-            assert all(cadence.values()), cadence   # a request's period measured in both regimes
-    finally:
-        llm.shutdown()
-
-
-def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
-    """psd_high_load=seq: with more requests than one batch holds, psd keeps one sequential batch of at most
-    max_batch and queues the rest (sd_split's schedule) instead of splitting; output == ar's."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_high_load="seq", psd_low_load="seq",
-              torch_threads=1)
-    try:
-        outs = llm.generate(PROMPTS, [greedy(10)] * len(PROMPTS))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10]
-        history = llm.history()
-        assert {h.regime for h in history} == {"seq"}
-        assert max(sum(h.sizes) for h in history) <= 3 and max(h.verified for h in history) == 3
-        check_balance(history, max_batch=3)
-    finally:
-        llm.shutdown()
-
-
-def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(ray_cluster, tiny_llama, tiny_llama_draft,
-                                                                         reference_10):
-    """The defaults: a demand one batch holds runs one sequential batch (psd_low_load=seq), and a demand above
-    one batch but short of two is served FIFO by that batch (psd_high_load=auto; the split would share the
-    verifier among more requests for little more throughput): sd_split's schedule. Output == ar's."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, torch_threads=1)
-    try:
-        outs = llm.generate(PROMPTS[:3], [greedy(10)] * 3)   # max_batch 4: one batch holds them
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:3]]
-        prompts = PROMPTS[:7]   # more than one batch holds, fewer than two
-        outs = llm.generate(prompts, [greedy(10)] * len(prompts))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:7]]
-        history = llm.history()
-        assert {h.regime for h in history} == {"seq"}
-        assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
-        info = llm.info()
-        assert info["high_load_regime"]["saturated"] is False
-        # info says what ran: every step was sequential, at low load and at high load
-        for load in ("low", "high"):
-            regime = info[f"{load}_load_regime"]
-            assert regime["current"] == regime["last_step"] == "seq", regime
-            assert set(regime["steps"]) == {"seq"}, regime
-    finally:
-        llm.shutdown()
-
-
-def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
-    """Below psd_min_requests the manager runs one sequential batch (psd would move each request
-    only every other step); at or above it, the two batches ping-pong."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=8, psd_min_requests=3, psd_low_load="psd",
-              torch_threads=1)
-    try:
-        outs = llm.generate(PROMPTS[:2], [greedy(10)] * 2)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:2]]
-        regimes = {h.regime for h in llm.history()}
-        assert regimes == {"seq"}, regimes
-        outs = llm.generate(PROMPTS[:6], [greedy(10)] * 6)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:6]]
-        regimes = [h.regime for h in llm.history()]
-        assert "psd" in regimes
-    finally:
-        llm.shutdown()
-
-
 def test_default_pair_loads_and_psd_equals_ar(ray_cluster):
     """The embedded default pair (trained by the project, shipped in the package) loads through the
     normal checkpoint path with no flags, and its greedy output is identical in ar and psd."""
@@ -304,68 +215,6 @@ def test_reconfigure_k_in_place(ray_cluster, tiny_llama, tiny_llama_draft, refer
         assert ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.worker_info))["verifier"]["pid"] == pid
     finally:
         llm.shutdown()
-
-
-@pytest.mark.parametrize("mode", ["psd", "sd", "ar"])
-def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_llama, tiny_llama_draft, mode):
-    """Greedy drafting samples the target with the noise plain decoding uses at each position, so a
-    seeded request gives the in-process ar text through the runtime in every mode, alone or among others
-    (whatever the draft schedule, and with sd/ar steps queued ahead from the verifier's slot state)."""
-    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + i)
-              for i in range(len(PROMPTS))]
-    ar = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, params)
-    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1)
-    try:
-        crowd = llm.generate(PROMPTS, params)
-        alone = llm.generate(PROMPTS[2], params[2])[0]
-    finally:
-        llm.shutdown()
-    assert [o.token_ids for o in crowd] == [o.token_ids for o in ar]
-    assert alone.token_ids == ar[2].token_ids
-    assert (sum(o.stats["accepted"] for o in crowd) > 0) == (mode != "ar")
-    assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)
-
-
-@pytest.mark.parametrize("interval_ms", [0.0, 150.0])
-def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, tiny_llama, tiny_llama_draft,
-                                                                   reference, interval_ms):
-    """Streamed outputs come at most one per stream_interval_ms (each costs a Ray hop per request); the
-    first tokens and the finish are not held back, and the tokens are the same."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=2, max_batch=2, torch_threads=1,
-              stream_interval_ms=interval_ms)
-
-    async def main():
-        t0, items = time.perf_counter(), []
-        async for out in llm.stream(PROMPTS[1], greedy(LENGTHS[1])):
-            items.append((time.perf_counter() - t0, out))
-        return items
-
-    try:
-        items = asyncio.run(main())
-        tokens = [t for _, out in items for t in out.new_token_ids]
-        assert tokens == reference[1].token_ids and items[-1][1].finished
-        steps = len([h for h in llm.history() if h.regime == "sd"])
-        if interval_ms:
-            gaps = [b - a for (a, _), (b, _) in zip(items[:-2], items[1:-1])]   # the last may come early
-            assert all(g >= 0.6 * interval_ms / 1e3 for g in gaps), gaps   # merged (steps are ~10 ms here)
-            assert len(items) < steps
-        else:
-            # no time-based merging: outputs go as they come, but a consumer that falls behind (a loaded machine)
-            # gets what queued up for it in one item, so "one per step" is an upper bound, not a count
-            assert 1 < len(items) <= steps + 1
-    finally:
-        llm.shutdown()
-
-
-def test_outputs_queued_for_a_slow_consumer_are_merged():
-    from minedraft_ray.runtime.manager import StepOutput, _merged
-    a = StepOutput("r", [1, 2], [{"token_id": 1}, {"token_id": 2}])
-    b = StepOutput("r", [3], [{"token_id": 3}], finished=True, finish_reason="length", stats={"x": 1})
-    m = _merged(a, b)
-    assert (m.new_token_ids, [lp["token_id"] for lp in m.logprobs]) == ([1, 2, 3], [1, 2, 3])
-    assert (m.finished, m.finish_reason, m.stats) == (True, "length", {"x": 1})
-    assert _merged(StepOutput("r", [1]), StepOutput("r", [2])).logprobs is None
 
 
 @pytest.mark.parametrize("draft_temperature", [0.0, 0.8])
