@@ -8,12 +8,12 @@ from minedraft_ray.runtime import LLM
 # the collective channel runs with chunked prompts only: one run covers both (suite time)
 @pytest.mark.parametrize("draft_temperature, transport, chunk", [(0.0, "object_store", None),
                                                                   (1.0, "object_store", None),
-                                                                  (1.0, "collective", 4)])
+                                                                  (1.0, "collective", 16)])
 def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport,
                                            chunk):
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
-    ids, through either draft channel; prompts whole or in chunks of 4 tokens, the last one ending mid-way)
-    gives the target's exact distribution of the first three tokens."""
+    ids, through either draft channel; prompts whole or cut by a 16-token budget, so a prefill task ends in
+    the middle of a prompt) gives the target's exact distribution of the first three tokens."""
     from stats import chi_square_pvalue
     from test_engine import _exact_three_token_distribution
     params = dict(temperature=0.8, top_k=3)
@@ -22,7 +22,7 @@ def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_d
               draft_temperature=draft_temperature, transport=transport, prefill_chunk_tokens=chunk)
     try:
         prompt = llm._encode("def fibonacci(n):")
-        assert chunk is None or len(prompt) % chunk, len(prompt)   # chunks end mid-prompt
+        assert chunk is None or chunk % len(prompt), len(prompt)   # a task's budget ends mid-prompt
         outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
                                            for s in range(n)])
         assert any(h.regime == "psd" for h in llm.history())
