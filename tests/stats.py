@@ -37,3 +37,17 @@ def chi_square_pvalue(observed_counts, expected_probs) -> float:
     if len(expected) < 2:
         return 1.0            # one category: nothing to test
     return float(stats.chisquare(obs, expected).pvalue)
+
+
+def assert_first_three_tokens_follow_target(outs, model, prompt, params) -> None:
+    """The first three tokens of `outs` (requests of `prompt` sampled with `params`) follow the target model's
+    exact distribution: nothing outside its support, and a chi-square fit."""
+    from test_engine import _exact_three_token_distribution
+
+    counts = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    exact = _exact_three_token_distribution(model, prompt, params)
+    assert set(counts) <= set(exact)
+    keys = sorted(exact)
+    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3

@@ -14,8 +14,7 @@ def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_d
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
     ids, through either draft channel; prompts whole or cut by a 16-token budget, so a prefill task ends in
     the middle of a prompt) gives the target's exact distribution of the first three tokens."""
-    from stats import chi_square_pvalue
-    from test_engine import _exact_three_token_distribution
+    from stats import assert_first_three_tokens_follow_target
     params = dict(temperature=0.8, top_k=3)
     n = 1500
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=32, torch_threads=1,
@@ -29,10 +28,4 @@ def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_d
         assert llm.info()["drafts_ahead_used"] > 0
     finally:
         llm.shutdown()
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    exact = _exact_three_token_distribution(tiny_llama, prompt, SamplingParams(**params))
-    assert set(counts) <= set(exact)
-    keys = sorted(exact)
-    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
+    assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))

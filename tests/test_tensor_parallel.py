@@ -304,17 +304,10 @@ def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
 def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
     """Rank 0 samples from the logits all-gathered over the vocabulary: the target's exact distribution of the
     first three tokens."""
-    from stats import chi_square_pvalue
-    from test_engine import _exact_three_token_distribution
+    from stats import assert_first_three_tokens_follow_target
     params = dict(temperature=0.8, top_k=3)
     n = 1000
     prompt = psd_tp2._encode("def fibonacci(n):")
     outs = psd_tp2.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
                                            for s in range(n)])
-    counts = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    exact = _exact_three_token_distribution(tiny_llama, prompt, SamplingParams(**params))
-    assert set(counts) <= set(exact)
-    keys = sorted(exact)
-    assert chi_square_pvalue([counts.get(k, 0) for k in keys], [exact[k] for k in keys]) > 1e-3
+    assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))
