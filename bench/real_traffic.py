@@ -36,6 +36,7 @@ import numpy as np
 
 from bench.common import command_line, fmt, git_sha, say, write_results
 from bench.psd_vs_sd import machine_name, poisson_arrivals
+from bench.prefill_speed import Z99
 
 NAME = "real_traffic"
 COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "completed", "prompt_tokens",
@@ -61,7 +62,7 @@ class Workload:
     @property
     def sigma(self) -> float:
         """The lognormal's sigma whose P99 / median is prompt_p99 / prompt_median (z of the 99th percentile)."""
-        return float(np.log(self.prompt_p99 / self.prompt_median) / 2.3263)
+        return float(np.log(self.prompt_p99 / self.prompt_median) / Z99)
 
     def describe(self) -> str:
         return (f"prompt lengths lognormal(mu=ln {self.prompt_median}, sigma={self.sigma:.3f}) tokens (median "
