@@ -96,7 +96,9 @@ def median_rows(rows: list[dict]) -> list[dict]:
                               []).append(r)
     medians = []
     for group in (g for g in groups.values() if len(g) > 1):
-        med = lambda col: statistics.median(r[col] for r in group if r.get(col) is not None)  # noqa: E731
+        def med(col):
+            values = [r[col] for r in group if r.get(col) is not None]
+            return statistics.median(values) if values else None
         medians.append({**group[0], "repeat": "median", "n_repeats": len(group),
                         "tokens_per_s_parent": med("tokens_per_s_parent"),
                         "tokens_per_s_change": med("tokens_per_s_change"),
