@@ -28,8 +28,7 @@ from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
-from .rendezvous import GcsStore, fresh_prefix
-from .rendezvous import Rendezvous
+from .rendezvous import GcsStore, Rendezvous, fresh_prefix
 
 log = logging.getLogger("minedraft.runtime")
 
