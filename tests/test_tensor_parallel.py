@@ -1,12 +1,16 @@
 """Tensor parallelism in the engine layer (engine/parallel.py): ranks as threads of this process over gloo groups,
 each loading only its shard of a real-format (HF safetensors) checkpoint."""
+import gc
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import ray
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.loader import load_model
@@ -15,17 +19,21 @@ from minedraft_ray.engine.runner import ModelRunner
 from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams
 from minedraft_ray.engine.spec import Verifier
 from minedraft_ray.runtime import LLM
+from minedraft_ray.runtime.rendezvous import GcsStore, Rendezvous, fresh_prefix
 from minedraft_ray.testing.tiny import make_tiny_model
 
 
-def run_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
-    """fn(tp) on `world` ranks (threads) of one tensor-parallel group -> each rank's result."""
-    store = dist.HashStore()
+def run_ranks(world: int, fn, timeout_s: float = 60.0, store_of=None) -> list:
+    """fn(tp) on `world` ranks (threads) of one tensor-parallel group -> each rank's result. store_of(rank): the
+    store that rank meets the others through (default: one in-process store)."""
+    shared = dist.HashStore()
+    store_of = store_of or (lambda rank: shared)
     results, errors = [None] * world, []
 
     def rank_main(rank):
         try:
-            tp = TensorParallel.connect(store, rank, world, torch.device("cpu"), "127.0.0.1", timeout_s=timeout_s)
+            tp = TensorParallel.connect(store_of(rank), rank, world, torch.device("cpu"), "127.0.0.1",
+                                        timeout_s=timeout_s)
             results[rank] = fn(tp)
         except Exception as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
@@ -311,3 +319,94 @@ def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
     outs = psd_tp2.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
                                            for s in range(n)])
     assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))
+
+
+
+def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
+    """The ranks meet in Ray's GCS (runtime/rendezvous.py), which only the cluster's authenticated processes reach:
+    no process of the engine listens for the rendezvous. The manager, which starts the ranks, listens on nothing
+    but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device)."""
+    from runtime_common import listeners_beside_ray
+    found = listeners_beside_ray(psd_tp2)
+    assert found["manager"] == [], found
+    assert len(found["verifier"]) == len(found["rank 1"]) == 2, found
+
+
+# ---- the rendezvous: a torch.distributed store in Ray's GCS (runtime/rendezvous.py) ---------------------------
+KEYS = st.sampled_from(["a", "b", "c/d"])
+VALUES = st.sampled_from([b"0", b"7", b"12"])
+STORE_OPS = st.one_of(
+    st.tuples(st.just("set"), KEYS, VALUES), st.tuples(st.just("get"), KEYS),
+    st.tuples(st.just("add"), KEYS, st.integers(-3, 3)),
+    st.tuples(st.just("compare_set"), KEYS, st.sampled_from([b""]) | VALUES, VALUES),
+    st.tuples(st.just("delete_key"), KEYS), st.tuples(st.just("check"), st.lists(KEYS, min_size=1, max_size=2)),
+    st.tuples(st.just("num_keys")))
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(STORE_OPS, max_size=12))
+def test_gcs_store_answers_as_torchs_own_store(ray_cluster, ops):
+    """Every call, through the C++ PrefixStore that gloo and NCCL wrap it in, answers as torch's in-process
+    HashStore does (values, counters, compare-and-set, deletion, key counts)."""
+    gcs = GcsStore(fresh_prefix("test"), 5.0)
+    store, reference = dist.PrefixStore("g", gcs), dist.PrefixStore("g", dist.HashStore())
+    try:
+        for op, *args in ops:
+            if op == "get" and not reference.check([args[0]]):
+                continue   # both would wait for the key
+            assert getattr(store, op)(*args) == getattr(reference, op)(*args), (op, args)
+    finally:
+        gcs.clear()
+
+
+class _Overtaken(GcsStore):
+    """A member whose next update a rival overtakes: the rival writes the key between this member's read of it
+    and its own write, the race every update of the store must survive."""
+
+    def __init__(self, prefix: str, rival_move):
+        super().__init__(prefix, 5.0)
+        self.rival, self.rival_move = GcsStore(prefix, 5.0), rival_move
+
+    def _create(self, name: str, value: bytes) -> bool:
+        if self.rival_move is not None:
+            move, self.rival_move = self.rival_move, None
+            move(self.rival)
+        return super()._create(name, value)
+
+
+def test_gcs_store_updates_survive_a_race_and_waits_end(ray_cluster):
+    """An add overtaken by a rival's add counts on from it (no update lost); a compare-and-set of an absent key
+    overtaken by a rival's loses and answers the rival's value; a set overtaken by a delete still sets. A wait
+    ends at its timeout, a get at the store's."""
+    prefix = fresh_prefix("test")
+    try:
+        assert _Overtaken(prefix, lambda rival: rival.add("count", 5)).add("count", 1) == 6
+        assert _Overtaken(prefix, lambda rival: rival.compare_set("leader", b"", b"rival")).compare_set(
+            "leader", b"", b"me") == b"rival"
+        _Overtaken(prefix, lambda rival: rival.delete_key("count")).set("count", b"9")
+        store = GcsStore(prefix, 0.5)
+        assert (store.get("count"), store.get("leader")) == (b"9", b"rival")
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match="absent"):
+            store.wait(["absent"], timedelta(seconds=0.1))
+        with pytest.raises(Exception, match="absent"):
+            store.get("absent")
+        assert time.perf_counter() - t0 < 3.0
+    finally:
+        GcsStore(prefix, 1.0).clear()
+
+
+def test_ranks_meet_through_the_gcs_and_keep_their_store(ray_cluster):
+    """Two ranks, each with its own store of one Rendezvous, build both groups; each keeps its store, which NCCL
+    calls again after its group is built (its unique id at the first collective, its watchdog's flags): a store
+    written in Python answers only while Python holds it."""
+    rendezvous = Rendezvous.fresh("test", 30.0)
+
+    def rank(tp):
+        gc.collect()
+        return int(tp.all_reduce(torch.ones(1))), dist.PrefixStore("device", tp.store).check(["0/0"])
+
+    try:
+        assert run_ranks(2, rank, store_of=lambda r: rendezvous.join()) == [(2, True), (2, True)]
+    finally:
+        rendezvous.close()

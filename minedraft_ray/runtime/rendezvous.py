@@ -40,11 +40,6 @@ def _get(name: str) -> bytes | None:
     return internal_kv._internal_kv_get(name, namespace=KV_NAMESPACE)
 
 
-def _create(name: str, value: bytes) -> bool:
-    """Write `name` unless it exists -> whether this call wrote it (atomic in the GCS)."""
-    return not internal_kv._internal_kv_put(name, value, overwrite=False, namespace=KV_NAMESPACE)
-
-
 def _as_bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
@@ -78,9 +73,13 @@ class GcsStore(dist.Store):
             if new is _KEEP:
                 return current
             stored = _DELETED if new is None else _PRESENT + new
-            if _create(self._version(key, n + 1), stored):
+            if self._create(self._version(key, n + 1), stored):
                 return new
             latest = self._latest(key, latest)   # another member wrote first: read on and retry
+
+    def _create(self, name: str, value: bytes) -> bool:
+        """Write `name` unless it exists -> whether this call wrote it (atomic in the GCS)."""
+        return not internal_kv._internal_kv_put(name, value, overwrite=False, namespace=KV_NAMESPACE)
 
     def _wait_for(self, keys, timeout_s: float) -> list[bytes]:
         """The keys' values, once each is set (timeout_s at most)."""
