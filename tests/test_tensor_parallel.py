@@ -228,14 +228,20 @@ def reference(tiny_llama):
 
 def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
     """sd: the drafter beside rank 0, in its actor and on its GPU."""
+    from ray.experimental import internal_kv
+    from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
+
     llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1)
     try:
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
         info = llm.worker_info
+        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
+        assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
 
 
 def _actors(llm):
