@@ -20,6 +20,7 @@ from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams
 from minedraft_ray.engine.spec import Verifier
 from minedraft_ray.runtime import LLM
 from minedraft_ray.runtime.rendezvous import GcsStore, Rendezvous, fresh_prefix
+from minedraft_ray.testing.workers import DrafterFaults, faulty_drafter
 from minedraft_ray.testing.tiny import make_tiny_model
 
 
@@ -291,9 +292,11 @@ def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tin
 
 @pytest.fixture(scope="module")
 def psd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
-    # the split forced at every load, so greedy output is checked through psd's own schedule
+    # the split forced at every load, so greedy output is checked through psd's own schedule; the collective
+    # channel (the default on GPUs) links the drafter to rank 0, beside the ranks' own groups; a drafter that
+    # takes faults (none until a test sets them on it)
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=16, tp=2, torch_threads=1,
-              psd_low_load="psd", psd_high_load="psd")
+              psd_low_load="psd", psd_high_load="psd", transport="collective", _workers=faulty_drafter())
     yield llm
     llm.shutdown()
 
@@ -331,11 +334,63 @@ def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
 def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
     """The ranks meet in Ray's GCS (runtime/rendezvous.py), which only the cluster's authenticated processes reach:
     no process of the engine listens for the rendezvous. The manager, which starts the ranks, listens on nothing
-    but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device)."""
+    but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device), and
+    rank 0 (the verifier) for its link to the drafter."""
     from runtime_common import listeners_beside_ray
     found = listeners_beside_ray(psd_tp2)
     assert found["manager"] == [], found
-    assert len(found["verifier"]) == len(found["rank 1"]) == 2, found
+    assert (len(found["verifier"]), len(found["rank 1"]), len(found["drafter"])) == (3, 2, 1), found
+
+
+def _pids(llm) -> list[int]:
+    """The processes of the target's ranks."""
+    return [info["pid"] for info in [llm.worker_info["verifier"], *llm.worker_info["ranks"]]]
+
+
+def test_drafter_killed_mid_run_at_tp2(psd_tp2, reference):
+    """psd at tp 2: the drafter killed while it drafts a round (its rounds slowed, so the kill lands inside one)
+    fails no request and the output stays ar's; the engine serves ar meanwhile and restarts the drafter, linked
+    to rank 0 again, while the target's ranks and their groups stay as they are."""
+    manager, pids = psd_tp2.manager, _pids(psd_tp2)
+    drafter = ray.get(manager.__ray_call__.remote(lambda self: self.manager.drafter))
+    ray.get(drafter.__ray_call__.remote(lambda w: setattr(w.drafter, "faults", DrafterFaults(delay_s=0.2))))
+    before = psd_tp2.info()
+    ref = manager.generate_batch.remote([psd_tp2._encode(p) for p in PROMPTS], [greedy(n) for n in LENGTHS])
+    deadline = time.time() + 60
+    while psd_tp2.info()["steps"] < before["steps"] + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert ray.get(manager.kill_drafter.remote())
+    outs = ray.get(ref, timeout=120)
+    assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
+    deadline = time.time() + 60
+    while not (info := psd_tp2.info())["drafter_alive"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert info["drafter_failures"] > before["drafter_failures"]
+    assert info["draft_rounds_failed"] > before["draft_rounds_failed"]   # a verify ran without its dead round
+    assert info["drafter_restarts"] > before["drafter_restarts"]
+    outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])   # speculating again, at full speed
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.stats["accepted"] for o in outs) > 0
+    assert ray.get(manager.__ray_call__.remote(lambda self: [ray.get(a.ready.remote())["pid"] for a in (
+        self.manager.verifier, *self.manager.actors.ranks)])) == pids
+
+
+def test_reconfigure_at_tp2(psd_tp2, reference):
+    """k and the prefill chunk changed in place at tp 2 (rank 0's verify width, and the chunks every rank
+    extends its KV by): the same rank processes, output still ar's, drafts of the new k."""
+    from test_chunked_prefill import reconfigure_when_idle
+    pids, k0, chunk0 = _pids(psd_tp2), psd_tp2.info()["k"], psd_tp2.info()["prefill_chunk_tokens"]
+    try:
+        for k, chunk in ((1, 3), (4, 0)):
+            reconfigure_when_idle(psd_tp2, k=k, prefill_chunk_tokens=chunk)
+            outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (k, chunk)
+            assert max(len(o.stats["drafted_per_position"]) for o in outs) == k
+        assert ray.get(psd_tp2.manager.__ray_call__.remote(
+            lambda self: [ray.get(a.ready.remote())["pid"] for a in (self.manager.verifier,
+                                                                    *self.manager.actors.ranks)])) == pids
+    finally:
+        reconfigure_when_idle(psd_tp2, k=k0, prefill_chunk_tokens=chunk0 or 0)
 
 
 # ---- the rendezvous: a torch.distributed store in Ray's GCS (runtime/rendezvous.py) ---------------------------
