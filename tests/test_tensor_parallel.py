@@ -174,6 +174,28 @@ def test_min_across_ranks():
     assert run_ranks(3, lambda tp: tp.min_across_ranks([70, 30, 50][tp.rank])) == [30, 30, 30]
 
 
+def test_every_rank_refuses_a_kv_cache_the_fullest_rank_cannot_hold():
+    """check_kv_fits (runtime/workers.py, on GPUs): the least free memory of all ranks decides. With one rank short
+    of room both refuse, the rank with room too (it would otherwise go on and wait for the other in a collective);
+    with room on both, neither does."""
+    from minedraft_ray.engine.kv_cache import CacheSizeError
+    from minedraft_ray.runtime.workers import check_kv_fits
+    gib = 2 ** 30
+
+    def ranks(free: list[int]) -> list[str]:
+        def rank(tp):
+            try:
+                check_kv_fits(tp, free[tp.rank], 4 * gib, "33 KV slots")
+                return "fits"
+            except CacheSizeError as e:
+                return str(e)
+        return run_ranks(2, rank)
+
+    refused = ranks([40 * gib, 3 * gib])
+    assert refused[0] == refused[1] and "the fullest has 3.00 GiB free" in refused[0], refused
+    assert ranks([5 * gib, 40 * gib]) == ["fits", "fits"]
+
+
 def test_heads_must_divide_by_tp(tiny_llama):
     with pytest.raises(ValueError, match="num_attention_heads .* not divisible by the tensor-parallel size 3"):
         run_ranks(3, lambda tp: load_model(tiny_llama, "cpu", tp=tp))
@@ -340,6 +362,30 @@ def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
     found = listeners_beside_ray(psd_tp2)
     assert found["manager"] == [], found
     assert (len(found["verifier"]), len(found["rank 1"]), len(found["drafter"])) == (3, 2, 1), found
+
+
+def test_every_rank_holds_the_same_kv_blocks(psd_tp2):
+    """The served target's cache is static (every slot's blocks mapped up front), sized from the engine's config
+    alone, so every rank holds the same blocks and block tables, each of its own half of the KV heads: exactly the
+    bytes check_kv_fits weighs against the fullest rank's free memory on GPUs."""
+    from minedraft_ray.engine.kv_cache import KVCache
+
+    def caches(self):
+        def layout(runner):
+            c, cfg = runner.cache, runner.model.cfg
+            allocated = sum(t.numel() * t.element_size() for t in c.k + c.v)
+            counted = KVCache.static_bytes(cfg.num_layers, c.num_slots, c.max_len, runner.model.num_kv_heads,
+                                           cfg.head_dim, c.k[0].dtype, c.block_size)
+            return {"blocks": c.num_blocks, "free": len(c.pool._free), "tables": c.block_tables.tolist(),
+                    "kv_heads": (c.k[0].shape[2], cfg.num_kv_heads), "bytes": (allocated, counted)}
+        m = self.manager
+        return [ray.get(m.verifier.__ray_call__.remote(lambda w: layout(w.verifier.runner)))] + [
+            ray.get(rank.__ray_call__.remote(lambda w: layout(w.runner))) for rank in m.actors.ranks]
+
+    rank0, rank1 = ray.get(psd_tp2.manager.__ray_call__.remote(caches))
+    assert rank0 == rank1
+    assert rank0["free"] == 0 and rank0["kv_heads"][0] * 2 == rank0["kv_heads"][1]
+    assert rank0["bytes"][0] == rank0["bytes"][1]
 
 
 def _pids(llm) -> list[int]:
