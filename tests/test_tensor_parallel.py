@@ -323,12 +323,6 @@ def psd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
     llm.shutdown()
 
 
-
-
-
-
-
-
 def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
     """The target's two ranks on two (fake) GPUs, the drafter on a third."""
     outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])
@@ -352,12 +346,11 @@ def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
     assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))
 
 
-
 def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
     """The ranks meet in Ray's GCS (runtime/rendezvous.py), which only the cluster's authenticated processes reach:
     no process of the engine listens for the rendezvous. The manager, which starts the ranks, listens on nothing
     but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device), and
-    rank 0 (the verifier) for its link to the drafter."""
+    rank 0 (the verifier) and the drafter for the link between them."""
     from runtime_common import listeners_beside_ray
     found = listeners_beside_ray(psd_tp2)
     assert found["manager"] == [], found
