@@ -278,8 +278,11 @@ class KVCache:
         assert set(self.block_key) == set(self.cached.values()), "cache index and block keys disagree"
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return (max_len + HEADROOM) * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    def static_bytes(num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+        """What a static cache of num_slots slots allocates: every slot's whole blocks, and the null block."""
+        num_blocks = num_slots * math.ceil((max_len + HEADROOM) / block_size) + 1
+        return num_blocks * block_size * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
 
 
 class SlotAllocator:

@@ -44,6 +44,9 @@ class TensorParallel:
     world_size: int
     device_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
+    # the rendezvous store, held as long as the groups: NCCL calls it again (its unique id at the first collective,
+    # its watchdog's flags), and a store written in Python lives only while Python holds it
+    store: dist.Store
 
     @classmethod
     def connect(cls, store: dist.Store, rank: int, world_size: int, device: torch.device, host: str,
@@ -63,7 +66,7 @@ class TensorParallel:
             device_group = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world_size, options)
         else:
             device_group = gloo("device", timedelta(seconds=timeout_s))
-        return cls(rank, world_size, device_group, control)
+        return cls(rank, world_size, device_group, control, store)
 
     # ---- the model's collectives ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,7 @@ from ..engine.runner import ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
-from .rendezvous import GcsStore, fresh_prefix
-from .rendezvous import Rendezvous
+from .rendezvous import GcsStore, Rendezvous, fresh_prefix
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -248,21 +247,15 @@ class _Worker:
         return runner
 
     def _check_kv_fits(self, model) -> None:
-        """A tensor-parallel rank's KV slots must fit on every rank's GPU, rank 0's included, which in sd also holds
-        the drafter (loaded before the target): every rank checks the least free memory of all ranks, so all of
-        them fail together rather than one failing and the others waiting for it."""
+        """A tensor-parallel rank's static KV cache (its slots and the runner's scratch slot) against the free
+        memory of every rank's GPU (check_kv_fits). Host memory is no device of the engine's own: not checked."""
         if self.device.type != "cuda":
             return
-        cfg = model.cfg
-        per_slot = KVCache.bytes_per_slot(cfg.num_layers, self.config.max_len, model.num_kv_heads, cfg.head_dim,
-                                          next(model.parameters()).dtype)
-        free = self.tp.min_across_ranks(torch.cuda.mem_get_info(self.device)[0])
-        slots = self.num_slots + 1   # the runner's scratch slot
-        if int(free * KV_MEMORY_FRACTION) < slots * per_slot:
-            raise CacheSizeError(f"{slots} KV slots of max_len={self.config.max_len} need "
-                                 f"{slots * per_slot / 2**30:.2f} GiB on each of the target's {self.config.tp} GPUs, "
-                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or "
-                                 "max_len")
+        cfg, slots = model.cfg, self.num_slots + 1
+        kv_bytes = KVCache.static_bytes(cfg.num_layers, slots, self.config.max_len, model.num_kv_heads, cfg.head_dim,
+                                        next(model.parameters()).dtype)
+        check_kv_fits(self.tp, torch.cuda.mem_get_info(self.device)[0], kv_bytes,
+                      f"{slots} KV slots of max_len={self.config.max_len}")
 
     def ready(self) -> dict:
         # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
@@ -271,6 +264,17 @@ class _Worker:
         gc.freeze()
         return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def check_kv_fits(tp: TensorParallel, free_bytes: int, kv_bytes: int, what: str) -> None:
+    """Every rank of a tensor-parallel target holds the same KV cache (the same blocks, each of its own KV heads),
+    so it must fit on the rank with the least free memory (rank 0 in sd also holds the drafter, loaded first).
+    Every rank compares against that least, so all of them refuse together rather than one failing and the
+    others waiting for it in their next collective."""
+    free = tp.min_across_ranks(free_bytes)
+    if int(free * KV_MEMORY_FRACTION) < kv_bytes:
+        raise CacheSizeError(f"{what} need {kv_bytes / 2**30:.2f} GiB on each of the target's {tp.world_size} GPUs, "
+                             f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or max_len")
 
 
 def _node_ip() -> str:
