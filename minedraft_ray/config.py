@@ -73,7 +73,7 @@ class EngineConfig(BaseModel):
     prefill_chunk_tokens: int | None = Field(
         None, ge=0, description="the per-step token budget: prompt tokens prefilled per verifier step. Prompts are cut "
         "into chunks that ride along with the decode/verify steps, so a long prompt delays a running request's next "
-        "token by at most one chunk (default: 512 on a GPU, 0 on a CPU); 0: whole prompts at once (unchunked)")
+        "token by at most one chunk (default: 512 on a GPU, 256 on a CPU); 0: whole prompts at once (unchunked)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")

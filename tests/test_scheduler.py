@@ -16,6 +16,7 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 """
 import ast
 import pathlib
+import random
 import subprocess
 import sys
 from collections import deque
@@ -45,6 +46,7 @@ class Driver:
         self.states: list[RequestState] = []
         self.prefilled: dict[int, int] = {}   # id(state) -> prompt tokens its completed prefill tasks put in KV
         self.planned: dict[int, int] = {}     # id(state) -> prompt tokens its submitted prefill tasks cover
+        self.plans: list[tuple] = []          # every schedule call's plan, by arrival numbers (plan_shape)
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -127,12 +129,24 @@ class Driver:
         started = {id(c.state) for p in plan.prefills for c in p.chunks if c.last}
         decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
         check_prefills(self, plan.prefills, decoding)
+        self.plans.append(self.plan_shape(plan))
         self.inflight.extend(plan.prefills)
         for verify in plan.verifies:
             check_round_consistency(self.sched, verify)
             check_prompts_planned(self, verify)
             self.inflight.append(verify)
         check_balance(self.sched)
+
+    def plan_shape(self, plan) -> tuple:
+        """A plan as requests' arrival numbers: its prefill tasks' chunks, its verifies' rows and rounds."""
+        number = {id(s): i for i, s in enumerate(self.states)}
+
+        def rows(round_):
+            return None if round_ is None else [(number[id(r.state)], r.verify_row, r.all_but_two) for r in round_.rows]
+        prefills = [[(number[id(c.state)], c.start, c.stop, c.to_drafter) for c in p.chunks] for p in plan.prefills]
+        verifies = [(v.batch, v.regime, [number[id(s)] for s in v.rows], v.draft_index, rows(v.ahead), rows(v.fresh),
+                     rows(v.next_round)) for v in plan.verifies]
+        return [number[id(s)] for s in plan.finished], prefills, verifies
 
     def finish(self, state: RequestState, reason) -> None:
         if reason and not state.request.finished:
@@ -261,11 +275,9 @@ def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | N
     return sched
 
 
-def run_events(mode, max_batch, min_requests, events, data, budget=None):
+def run_events(mode, max_batch, min_requests, events, emit, budget=None) -> Driver:
+    """Play the events, then drain; emit(num_drafts) -> a verify row's tokens."""
     driver = Driver(make_scheduler(mode, max_batch, min_requests, budget))
-
-    def emit(num_drafts):
-        return data.draw(tokens(num_drafts))
     for event in events:
         kind, *args = event
         if kind == "arrive":
@@ -294,20 +306,47 @@ def run_events(mode, max_batch, min_requests, events, data, budget=None):
     assert set(driver.finished) == {s.id for s in driver.states}
     assert driver.sched.slots.num_used == 0
     assert not driver.inflight and driver.sched.queued == [0, 0]
+    return driver
+
+
+def drawn(data):
+    """emit from hypothesis' draws."""
+    return lambda num_drafts: data.draw(tokens(num_drafts))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
 def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, events, data):
-    run_events("psd", max_batch, min_requests, events, data, budget)
+    run_events("psd", max_batch, min_requests, events, drawn(data), budget)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
 def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
-    run_events(mode, max_batch, 2, events, data, budget)
+    run_events(mode, max_batch, 2, events, drawn(data), budget)
+
+
+def seeded(seed: int):
+    """emit from a seeded generator: two runs that emit alike get the same tokens."""
+    rng = random.Random(seed)
+    return lambda num_drafts: [rng.choice([EOS, 7, 8, 9]) for _ in range(rng.randint(1, num_drafts + 1))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
+       events=st.lists(EVENTS, min_size=10, max_size=100), seed=st.integers(0, 2 ** 16))
+def test_a_budget_the_prompts_fit_plans_what_whole_prompts_plan(mode, max_batch, events, seed):
+    """Chunking costs nothing where it cuts nothing: with a budget that every prompt waiting at once fits (psd's
+    split halves it), each schedule call plans the very prefill tasks, chunks, verifies and rounds that the
+    unchunked scheduler plans, no task more and no prompt later."""
+    fits = 2 * sum(e[1] for e in events if e[0] == "arrive") + 2
+    whole = run_events(mode, max_batch, 2, events, seeded(seed))
+    chunked = run_events(mode, max_batch, 2, events, seeded(seed), budget=fits)
+    assert len(chunked.plans) == len(whole.plans)
+    for call, (c, w) in enumerate(zip(chunked.plans, whole.plans)):
+        assert c == w, f"schedule call {call}: chunked {c} != whole {w}"
 
 
 def test_psd_splits_and_rebalances_a_burst():

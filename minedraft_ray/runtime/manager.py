@@ -104,10 +104,11 @@ def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig
 
 
 def default_prefill_chunk(on_gpu: bool) -> int:
-    """prefill_chunk_tokens' default. On a GPU a chunk of 512 prompt tokens is a few times a decode step's
-    rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024).
-    On a CPU whole prompts (0): chunked runs of short prompts took longer there (docs/design.md)."""
-    return 512 if on_gpu else 0
+    """prefill_chunk_tokens' default: the same chunked path everywhere, the device picks the budget. On a GPU a
+    chunk of 512 prompt tokens is a few times a decode step's rows, enough for the GEMMs to run near full rate,
+    and graphed (the packed runner's buckets end at 1024). A CPU computes a chunk at its token count's cost, so
+    half that keeps a running request's extra wait near a couple of verify steps (docs/design.md)."""
+    return 512 if on_gpu else 256
 
 
 class BatchManager:
