@@ -9,10 +9,14 @@ blocks, preempts (recompute) when they run short and caches prefixes.
   forces preemption give ar's tokens; prefix caching on gives the tokens of caching off, with hits in both
   models; max_len comes from the model and the pool; KV usage counts blocks.
 """
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minedraft_ray.engine.kv_cache import HEADROOM
+from minedraft_ray.runtime import LLM
 from minedraft_ray.runtime.scheduler import KVRole
+from runtime_common import LENGTHS, PROMPTS, check_balance, greedy, settled
 from test_scheduler import BUDGETS, EVENTS, Driver, check_all, check_drained_blocks, make_scheduler, run_events
 
 
@@ -64,3 +68,32 @@ def test_a_burst_into_a_small_pool_preempts_and_resumes_every_request_once():
             # psd split while it could (max_batch 3, ten requests): the balance was checked after every step
             if mode == "psd":
                 assert sched.counters["balance_violations"] == 0
+
+
+# ---- the runtime ------------------------------------------------------------------------------------------
+# blocks of 4 tokens, 18 per model: the longest request (45 prompt tokens + 9) fits alone (max_len becomes
+# 17 * 4 - 10 = 58), three or six of them at once do not
+SMALL_POOL = {"block_size": 4, "num_kv_blocks": 18}
+
+
+@pytest.mark.parametrize("mode", ["sd", "sd_split", "psd"])
+def test_greedy_with_preemption_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    """A pool far smaller than the batches need: requests are preempted mid-generation, resumed by recompute (the
+    drafter catching up), and every token is ar's; psd splits and keeps its balance through it."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1, **SMALL_POOL,
+              **({"psd_high_load": "psd"} if mode == "psd" else {}))
+    try:
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        info = settled(llm)
+        assert info["preemptions"] > 0, info
+        assert info["max_len"] == 17 * 4 - HEADROOM
+        # every block back: none held once nothing runs
+        assert info["kv_cache"]["target"]["blocks_in_use"] == info["kv_cache"]["draft"]["blocks_in_use"] == 0
+        if mode == "psd":
+            history = llm.history()
+            assert any(h.regime == "psd" for h in history)
+            check_balance(history, max_batch=3)
+            assert info["balance_violations"] == 0
+    finally:
+        llm.shutdown()
