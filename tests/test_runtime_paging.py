@@ -9,10 +9,13 @@ blocks, preempts (recompute) when they run short and caches prefixes.
   forces preemption give ar's tokens; prefix caching on gives the tokens of caching off, with hits in both
   models; max_len comes from the model and the pool; KV usage counts blocks.
 """
+import asyncio
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.kv_cache import HEADROOM
 from minedraft_ray.runtime import LLM
 from minedraft_ray.runtime.scheduler import KVRole
@@ -97,3 +100,77 @@ def test_greedy_with_preemption_equals_ar(ray_cluster, tiny_llama, tiny_llama_dr
             assert info["balance_violations"] == 0
     finally:
         llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(tiny_llama):
+    """A 22-token system prompt and suffixes (blocks of 4: five shared blocks, the prompts diverge inside the
+    sixth), a repeated prompt, and a prompt of whole blocks that is a prefix of the others."""
+    from minedraft_ray.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    system = tok.encode("You are a helpful assistant. Answer briefly and well.")[:22]
+    assert len(system) == 22
+    suffixes = ["What is 2+2?", "Name a colour.", "What is 2+2?", "Hi", "Why?"]
+    return [system + tok.encode(s) for s in suffixes] + [system[:20]]
+
+
+@pytest.mark.parametrize("mode", ["sd", "psd"])   # the drafter beside the target, and on its own actor
+def test_prefix_cache_keeps_greedy_output_and_hits_in_both_models(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                  shared_prefix_prompts, mode):
+    """Caching on: later requests map the system prompt's blocks in the target's and the drafter's pools instead
+    of recomputing them, and every token is the uncached ar engine's. max_len is the model's context (the CPU's
+    pool holds far more)."""
+    params = greedy(12)
+    want = Engine(tiny_llama, mode="ar", max_batch=2, device="cpu").generate(shared_prefix_prompts, params)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=2, torch_threads=1, block_size=4,
+              prefix_caching=True)
+    try:
+        outs = llm.generate(shared_prefix_prompts, params)
+        assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+        info = settled(llm)
+        kv = info["kv_cache"]
+        # two run at once and miss; the four admitted after them find at least the system prompt's five blocks
+        for model in ("target", "draft"):
+            assert kv[model]["hit_tokens"] >= 4 * 20, kv
+            assert 0 < kv[model]["hit_rate"] < 1 and kv[model]["blocks_in_use"] == 0, kv
+        assert info["max_len"] == 2048   # the tiny models' max_position_embeddings
+        if mode == "psd":
+            check_kv_usage_counts_blocks(llm, shared_prefix_prompts[0])
+    finally:
+        llm.shutdown()
+
+
+def check_kv_usage_counts_blocks(llm, prompt):
+    """vllm:kv_cache_usage_perc, as the ingress sets it from the engine's info at a scrape, is the share of the
+    target's blocks that requests hold, not of its slots."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minedraft_ray.serve.vllm_metrics import APIMetrics
+
+    async def mid_stream():
+        async for out in llm.stream(prompt, greedy(200), "kv-usage"):
+            if out.new_token_ids and not out.finished:
+                return llm.info()
+
+    info = asyncio.run(mid_stream())
+    llm.abort("kv-usage")
+    target = info["kv_cache"]["target"]
+    assert target["blocks_in_use"] > 0 and info["slots_in_use"] == 1, info
+    metrics = APIMetrics("tiny", 3)
+    metrics.set_engine_state(info)
+    scraped = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert scraped["vllm:kv_cache_usage_perc"] == target["blocks_in_use"] / target["blocks"]
+    assert scraped["vllm:kv_cache_usage_perc"] != info["slots_in_use"] / info["num_slots"]
+
+
+def test_a_max_len_the_pool_cannot_hold_is_refused(ray_cluster, tiny_llama):
+    """18 blocks of 4 hold one request of 58 tokens: max_len 100 is an error at start, and the engine's placement
+    group (and with it every actor in it) is removed."""
+    import ray
+
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(Exception, match="KV pool holds 58"):
+        LLM(tiny_llama, None, mode="ar", max_batch=2, torch_threads=1, max_len=100, **SMALL_POOL)
+    created = {pg: state for pg, state in ray.util.placement_group_table().items() if pg not in before}
+    assert created and all(state["state"] == "REMOVED" for state in created.values()), created
