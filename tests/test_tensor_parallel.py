@@ -219,15 +219,18 @@ def reference(tiny_llama):
 
 
 def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """sd: the drafter beside rank 0, in its actor and on its GPU."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1)
+    """sd: the drafter beside rank 0, in its actor and on its GPU. A KV pool of 18 blocks of 4 forces
+    preemptions: rank 1 applies every block-table change the scheduler sends rank 0."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1, block_size=4,
+              num_kv_blocks=18)
     try:
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        info = llm.worker_info
+        info, preemptions = llm.worker_info, llm.info()["preemptions"]
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
+    assert preemptions > 0
 
 
 def _actors(llm):
