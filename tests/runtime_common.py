@@ -3,7 +3,9 @@ import time
 
 import ray
 
+from minedraft_ray.engine.kv_cache import TableEdits
 from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime.scheduler import KVPoolSpec, PlannedBlocks
 from minedraft_ray.testing.channel import wildcard_listeners
 
 
@@ -53,3 +55,12 @@ def check_balance(history, max_batch=None, min_requests=2):
             assert 0 in (a, b), rec
         elif a + b >= 2:
             assert abs(a - b) <= 1, rec
+
+
+def whole_tables(worker, model: str, slots: list[int], tokens: int) -> TableEdits:
+    """For tests that drive a worker actor's methods directly, in the scheduler's place: blocks for positions
+    [0, tokens) of each slot in the worker's pool of `model` (target, draft), as table changes for its first task."""
+    spec = KVPoolSpec(**worker.kv_pools()[model])
+    blocks = PlannedBlocks(spec, max(slots) + 1, prefix_caching=False)
+    blocks.reserve_many(slots, [tokens] * len(slots))
+    return blocks.take_edits()

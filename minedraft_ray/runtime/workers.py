@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..engine.engine import ACTIVATION_MARGIN_BYTES, activation_bytes, default_device, pool_tokens
 from ..engine.kv_cache import HEADROOM, CacheSizeError, TableEdits
 from ..engine.loader import check_pair, load_model
+from ..engine.model import ModelConfig
 from ..engine.parallel import ShardedRunner, TensorParallel
 from ..engine.presets import resolve_model
 from ..engine.rejection import draft_probs_width
@@ -229,6 +230,9 @@ class _Worker:
         self.dtype = pick_dtype(self.config, self.device)
         self.num_slots = num_slots
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
+        if self.config.max_len is None:   # as the manager resolves it (a worker built on its own, in tests)
+            context = ModelConfig.from_pretrained(self.target_dir).max_position_embeddings
+            self.config = self.config.model_copy(update={"max_len": context})
         self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
             if self.config.uses_drafter else None
         # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
