@@ -3,7 +3,9 @@ import time
 
 import ray
 
+from minedraft_ray.engine.kv_cache import TableEdits
 from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime.scheduler import KVPoolSpec, PlannedBlocks
 from minedraft_ray.testing.channel import wildcard_listeners
 
 
@@ -71,3 +73,12 @@ def listeners_beside_ray(llm) -> dict:
         return {"manager": others(None), **{name: ray.get(a.__ray_call__.remote(others))
                                             for name, a in actors.items()}}
     return ray.get(llm.manager.__ray_call__.remote(found))
+
+
+def whole_tables(worker, model: str, slots: list[int], tokens: int) -> TableEdits:
+    """For tests that drive a worker actor's methods directly, in the scheduler's place: blocks for positions
+    [0, tokens) of each slot in the worker's pool of `model` (target, draft), as table changes for its first task."""
+    spec = KVPoolSpec(**worker.kv_pools()[model])
+    blocks = PlannedBlocks(spec, max(slots) + 1, prefix_caching=False)
+    blocks.reserve_many(slots, [tokens] * len(slots))
+    return blocks.take_edits()

@@ -174,28 +174,6 @@ def test_min_across_ranks():
     assert run_ranks(3, lambda tp: tp.min_across_ranks([70, 30, 50][tp.rank])) == [30, 30, 30]
 
 
-def test_every_rank_refuses_a_kv_cache_the_fullest_rank_cannot_hold():
-    """check_kv_fits (runtime/workers.py, on GPUs): the least free memory of all ranks decides. With one rank short
-    of room both refuse, the rank with room too (it would otherwise go on and wait for the other in a collective);
-    with room on both, neither does."""
-    from minedraft_ray.engine.kv_cache import CacheSizeError
-    from minedraft_ray.runtime.workers import check_kv_fits
-    gib = 2 ** 30
-
-    def ranks(free: list[int]) -> list[str]:
-        def rank(tp):
-            try:
-                check_kv_fits(tp, free[tp.rank], 4 * gib, "33 KV slots")
-                return "fits"
-            except CacheSizeError as e:
-                return str(e)
-        return run_ranks(2, rank)
-
-    refused = ranks([40 * gib, 3 * gib])
-    assert refused[0] == refused[1] and "the fullest has 3.00 GiB free" in refused[0], refused
-    assert ranks([5 * gib, 40 * gib]) == ["fits", "fits"]
-
-
 def test_heads_must_divide_by_tp(tiny_llama):
     with pytest.raises(ValueError, match="num_attention_heads .* not divisible by the tensor-parallel size 3"):
         run_ranks(3, lambda tp: load_model(tiny_llama, "cpu", tp=tp))
@@ -250,14 +228,16 @@ def reference(tiny_llama):
 
 
 def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """sd: the drafter beside rank 0, in its actor and on its GPU."""
+    """sd: the drafter beside rank 0, in its actor and on its GPU. A KV pool of 18 blocks of 4 forces
+    preemptions: rank 1 applies every block-table change the scheduler sends rank 0."""
     from ray.experimental import internal_kv
     from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
 
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1, block_size=4,
+              num_kv_blocks=18)
     try:
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        info = llm.worker_info
+        info, preemptions = llm.worker_info, llm.info()["preemptions"]
         prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
         assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
     finally:
@@ -265,6 +245,7 @@ def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, r
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
     assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
+    assert preemptions > 0
 
 
 def _actors(llm):
@@ -358,27 +339,21 @@ def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
 
 
 def test_every_rank_holds_the_same_kv_blocks(psd_tp2):
-    """The served target's cache is static (every slot's blocks mapped up front), sized from the engine's config
-    alone, so every rank holds the same blocks and block tables, each of its own half of the KV heads: exactly the
-    bytes check_kv_fits weighs against the fullest rank's free memory on GPUs."""
-    from minedraft_ray.engine.kv_cache import KVCache
-
+    """Every rank sizes its pool as the least of all ranks (runtime/workers.py `_pool_blocks`) and applies the
+    scheduler's table changes: the same blocks and block tables on every rank, each of its own half of the KV
+    heads."""
     def caches(self):
         def layout(runner):
             c, cfg = runner.cache, runner.model.cfg
-            allocated = sum(t.numel() * t.element_size() for t in c.k + c.v)
-            counted = KVCache.static_bytes(cfg.num_layers, c.num_slots, c.max_len, runner.model.num_kv_heads,
-                                           cfg.head_dim, c.k[0].dtype, c.block_size)
-            return {"blocks": c.num_blocks, "free": len(c.pool._free), "tables": c.block_tables.tolist(),
-                    "kv_heads": (c.k[0].shape[2], cfg.num_kv_heads), "bytes": (allocated, counted)}
+            return {"blocks": c.num_blocks, "tables": c.block_tables.tolist(),
+                    "kv_heads": (c.k[0].shape[2], cfg.num_kv_heads)}
         m = self.manager
         return [ray.get(m.verifier.__ray_call__.remote(lambda w: layout(w.verifier.runner)))] + [
             ray.get(rank.__ray_call__.remote(lambda w: layout(w.runner))) for rank in m.actors.ranks]
 
     rank0, rank1 = ray.get(psd_tp2.manager.__ray_call__.remote(caches))
     assert rank0 == rank1
-    assert rank0["free"] == 0 and rank0["kv_heads"][0] * 2 == rank0["kv_heads"][1]
-    assert rank0["bytes"][0] == rank0["bytes"][1]
+    assert rank0["kv_heads"][0] * 2 == rank0["kv_heads"][1]
 
 
 def _pids(llm) -> list[int]:
