@@ -12,7 +12,9 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
   batch whose tokens all come from the verify it follows;
 - chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
   cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
-  decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled.
+  decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
+- and, run beside the unchunked scheduler on the same events, a budget that every waiting prompt fits plans what
+  whole prompts plan, call for call.
 """
 import ast
 import pathlib
