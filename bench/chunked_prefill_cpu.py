@@ -1,7 +1,7 @@
 """Chunked prefill against whole prompts on the CPU, phase by phase: where a chunk budget could cost time.
 
     python -m bench.chunked_prefill_cpu                 # every mode, both workloads, 5 alternating passes
-    python -m bench.chunked_prefill_cpu --smoke         # sd only, 1 pass (tests/test_bench_scripts.py)
+    python -m bench.chunked_prefill_cpu --smoke         # sd only, one pass: that it runs
 
 One engine per mode (the tests' tiny Llama pair, built here; one torch thread, 2 logical GPUs), and the
 budgets alternate in place on it (`reconfigure`), pass after pass, so that load on a shared machine falls
@@ -14,6 +14,9 @@ Workloads:
   generate call. Every prompt fits a 256-token budget, and so do the prompts admitted together.
 - `over`: 24 prompts of 48..160 random tokens, 24 output tokens each, max_batch 8: the prompts admitted together
   exceed the budget, so chunking cuts them (the cost of bounded stalls).
+
+Then what one chunk delays a running request by, in verify steps of the embedded default pair (COST_NOTE): the
+number a device's default budget is picked by.
 
 Writes bench/results/chunked_prefill_cpu.{parquet,md}.
 """
@@ -33,6 +36,11 @@ COLUMNS = ["mode", "workload", "budget", "pass", "wall_s", "steps", "verifier_ta
            "max_batch", "k", "git_sha"]
 SUMMARY = ["mode", "workload", "budget", "passes", "wall_s_median", "cpu_s", "steps", "prefill_tasks", "ray_calls_per_step",
            "verify_ms", "prefill_ms", "draft_ms", "host_ms", "load_median"]
+COST = ["chunk_tokens", "chunk_ms", "verify_step_ms", "chunk_in_steps"]
+COST_NOTE = ("The embedded default pair's target in the bench's process (no Ray, one torch thread): the best of 30 "
+             "(--smoke: 5) timings of a prefill chunk of chunk_tokens tokens into an empty slot, and of a verify step of 8 rows "
+             "x 5 tokens (max_batch 8, k 4: the defaults) at a context of 300; chunk_in_steps: how many verify "
+             "steps one chunk delays a running request by.")
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
@@ -89,6 +97,36 @@ def counts(llm, pids: list[int]) -> dict:
         return {"verifier_tasks": m.sched.tasks_numbered, "drafter_tasks": m.actors.drafter_seq,
                 "prefill_tasks": m.counters["prefill_tasks"]}
     return {**ray.get(llm.manager.__ray_call__.remote(read)), "cpu_s": sum(process_cpu_s(p) for p in pids)}
+
+
+def chunk_cost(reps: int) -> list[dict]:
+    """What a chunk costs against a verify step (COST_NOTE), the best of `reps` timings of each."""
+    import torch
+
+    from minedraft_ray.config import default_target
+    from minedraft_ray.engine.loader import load_model
+    from minedraft_ray.engine.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    runner = ModelRunner(load_model(default_target(), torch.device("cpu"), torch.float32), "cpu", 9, 1024, 8)
+
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+    slots, rows = torch.arange(8), list(range(8))
+
+    def verify():
+        runner.set_lengths(rows, [300] * 8)
+        runner.step(slots, torch.ones((8, 5), dtype=torch.int64))
+    step_ms = best(verify)
+    tokens = list(range(5, 517))
+    return [{"chunk_tokens": n, "chunk_ms": (ms := best(lambda: runner.prefill_chunks([8], [0], [tokens[:n]]))),
+             "verify_step_ms": step_ms, "chunk_in_steps": ms / step_ms} for n in (64, 128, 256, 512)]
 
 
 def reconfigure_when_idle(llm, budget: int, timeout_s: float = 30.0) -> None:
@@ -186,9 +224,12 @@ def main():
         notes.append(args.note)
     path = write_results(rows, args.out, NAME, COLUMNS, "Chunked prefill against whole prompts on the CPU",
                          command_line("bench.chunked_prefill_cpu"), f"cpu ({os.cpu_count()} cores)", notes)
+    cost = chunk_cost(5 if args.smoke else 30)
     path.write_text(path.read_text() + "\n## Medians over the passes (each column on its own)\n\n"
-                    + markdown_table(summary, SUMMARY) + "\n")
+                    + markdown_table(summary, SUMMARY) + "\n\n## A chunk against a verify step\n\n"
+                    + markdown_table(cost, COST) + "\n\n" + COST_NOTE + "\n")
     print(markdown_table(summary, SUMMARY))
+    print(markdown_table(cost, COST))
 
 
 if __name__ == "__main__":

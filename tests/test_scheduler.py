@@ -13,6 +13,8 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 - chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
   cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
   decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
+- run beside the unchunked scheduler on the same events, a budget that every waiting prompt fits plans what
+  whole prompts plan, call for call;
 - KV blocks (here with pools large enough never to run short; tests/test_runtime_paging.py runs the same driver
   with small ones): every pool's bookkeeping is consistent (reference counts equal holders, no block lost), a
   block is shared only as a cached prefix, the table changes sent with each task leave the worker's tables
