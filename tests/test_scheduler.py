@@ -45,8 +45,12 @@ class Driver:
     """The manager's part, without actors: plans go into a FIFO in submission order; completing the oldest
     commits tokens made up from the hypothesis draws."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, schedule_after_prefill: bool = True):
+        """schedule_after_prefill: schedule after every completed task; False: as the manager does, only after a
+        verify (or when nothing is in flight), so a request between its prompt chunks is idle when the next
+        verify's riders ask for blocks."""
         self.sched = sched
+        self.schedule_after_prefill = schedule_after_prefill
         self.inflight: deque = deque()
         self.finished: dict[str, int] = {}
         self.states: list[RequestState] = []
@@ -61,6 +65,7 @@ class Driver:
         self.admissions: dict[int, int] = {}  # id(state) -> times admitted
         self.admitted_at: dict[int, int] = {}
         self.preemptions = 0
+        self.preempted_between_chunks = 0     # preempted with prompt chunks still to plan
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -129,7 +134,10 @@ class Driver:
             for state, _, _ in live:
                 if state.request.finished:
                     self.finish(state, None)
-        self.schedule(None if isinstance(task, PrefillPlan) else task.batch)
+        if isinstance(task, VerifyPlan):
+            self.schedule(task.batch)
+        elif self.schedule_after_prefill or not self.inflight:
+            self.schedule(None)
 
     def stop_string(self, i: int) -> None:
         """A stop string is matched on the text, above the engine: the caller aborts the request."""
@@ -150,6 +158,7 @@ class Driver:
             self.planned.pop(id(state), None)
             self.prefilled.pop(id(state), None)
             self.preemptions += 1
+            self.preempted_between_chunks += not state.ready
         for state in self.states:
             if state.admitted_at != self.admitted_at.get(id(state), -1):
                 self.admitted_at[id(state)] = state.admitted_at
@@ -379,8 +388,8 @@ def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | N
     return sched
 
 
-def run_events(mode, max_batch, min_requests, events, data, budget=None, **pools):
-    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools))
+def run_events(mode, max_batch, min_requests, events, data, budget=None, schedule_after_prefill=True, **pools):
+    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools), schedule_after_prefill)
 
     def emit(num_drafts):
         return data.draw(tokens(num_drafts))
