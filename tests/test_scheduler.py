@@ -176,6 +176,7 @@ class Driver:
         for verify in plan.verifies:
             check_round_consistency(self.sched, verify)
             check_prompts_planned(self, verify)
+            check_verify_blocks(self, verify)
             if verify.fresh is not None:
                 self.submit_to_drafter([(row.state.slot, None) for row in verify.fresh.rows])
             self.submit_to_verifier(verify, [(s.slot, None) for s in verify.rows])
@@ -307,6 +308,20 @@ def check_prompts_planned(driver: Driver, verify: VerifyPlan) -> None:
     rounds: list[DraftPlan] = [r for r in (verify.fresh, verify.next_round) if r is not None]
     for s in verify.rows + [row.state for r in rounds for row in r.rows]:
         assert driver.planned.get(id(s), s.cached_tokens) == s.prefill_len, f"{s.id} rides before its prefill"
+
+
+def check_verify_blocks(driver: Driver, verify: VerifyPlan) -> None:
+    """Each rider's slot has blocks for what this verify writes (its length then: the committed tokens, the first
+    token of a prefill in flight, up to k + 1 per verify in flight before it; then k + 1 more) in the target, and in
+    the drafter for its round (in psd and sd_split the round drafted behind it too: k more)."""
+    sched, k = driver.sched, (0 if driver.sched.mode == "ar" else K)
+    cap = MAX_LEN + HEADROOM
+    for s in verify.rows:
+        before = sum(isinstance(t, VerifyPlan) and any(x is s for x in t.rows) for t in driver.inflight)
+        length = s.request.seq_len + (not s.request.output_ids) + (k + 1) * before
+        wants = {KVRole.TARGET: length + k, KVRole.DRAFT: length + k + (k if sched.mode in ("psd", "sd_split") else 0)}
+        for role, pool in sched.kv.items():
+            assert pool.covers(s.slot, min(wants[role], cap)), f"{s.id} rides without blocks in the {role.value} pool"
 
 
 def check_writes_kept(driver: Driver, task) -> None:

@@ -348,7 +348,7 @@ class BatchManager:
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
-            self.sched.config.k = k   # what a step writes past a request's length
+            self.sched.set_k(k)   # what a step writes past a request's length
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
             self.sched.reset_choosers()
 
