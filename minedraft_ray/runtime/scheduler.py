@@ -75,7 +75,6 @@ class PlannedBlocks(BlockManager):
 
     def __init__(self, spec: KVPoolSpec, num_slots: int, prefix_caching: bool):
         super().__init__(spec.num_blocks, spec.block_size, num_slots, spec.blocks_per_slot, prefix_caching)
-        self.spec = spec
         self._edits: dict[tuple[int, int], int] = {}
 
     def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
@@ -593,7 +592,7 @@ class Scheduler:
         self._free_blocks(s)
         self.slots.free(s.slot)
         s.request.slot = None
-        for b, batch in enumerate(self.batches):
+        for batch in self.batches:
             if s in batch:
                 batch.remove(s)
         if s in self.unprefilled:
