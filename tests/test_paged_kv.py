@@ -91,7 +91,7 @@ def test_block_bookkeeping_never_leaks_or_goes_negative(ops):
         except BlocksExhaustedError:
             pass
         cache.check_blocks()
-        assert (cache.pool.refcount >= 0).all()
+        assert min(cache.pool.refcount) >= 0
 
 
 @pytest.mark.parametrize("kept", [0, 2, 4])

@@ -265,15 +265,16 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, VerifierResult
+    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, KVEdits, PrefillRow, VerifierResult
 
     k = 3
     cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
                        device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)], whole_tables(ahead, "draft", slots, 64))
-    scratch_tables = [whole_tables(scratch, "draft", slots, 64)]   # sent with its first round
+    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)],
+                  KVEdits(draft=whole_tables(ahead, "draft", slots, 64)))
+    scratch_tables = [KVEdits(draft=whole_tables(scratch, "draft", slots, 64))]   # sent with its first round
     prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
     verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]

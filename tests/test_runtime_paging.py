@@ -10,6 +10,8 @@ blocks, preempts (recompute) when they run short and caches prefixes.
   models; max_len comes from the model and the pool; KV usage counts blocks.
 """
 import asyncio
+import itertools
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,24 +34,27 @@ PAGING_EVENTS = st.one_of(EVENTS, LONG, LONG, st.tuples(st.just("complete")), st
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["psd", "psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
        budget=BUDGETS, num_blocks=st.integers(14, 20), prefix_caching=st.booleans(),
-       events=st.lists(PAGING_EVENTS, min_size=30, max_size=150), data=st.data())
+       schedule_after_prefill=st.booleans(), events=st.lists(PAGING_EVENTS, min_size=30, max_size=150),
+       data=st.data())
 def test_scheduler_invariants_hold_when_blocks_run_short(mode, max_batch, budget, num_blocks, prefix_caching,
-                                                         events, data):
-    """A pool of 14-30 blocks of 4 tokens: a request may hold up to 13 of them (40 tokens and the verify's
+                                                         schedule_after_prefill, events, data):
+    """A pool of 14-20 blocks of 4 tokens: a request may hold up to 13 of them (40 tokens and the verify's
     headroom), so a few requests fill it and preemption is frequent."""
-    run_events(mode, max_batch, 2, events, drawn(data), budget, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    run_events(mode, max_batch, 2, events, drawn(data), budget, schedule_after_prefill, num_blocks=num_blocks,
+               prefix_caching=prefix_caching)
 
 
-def burst(mode: str, num_blocks: int, prefix_caching: bool, accept_all: bool = True):
-    """Ten requests of shared prompt starts and 16 tokens each into one engine, run to the end."""
-    sched = make_scheduler(mode, 3, 2, None, num_blocks=num_blocks, prefix_caching=prefix_caching)
-    driver = Driver(sched)
+def burst(mode: str, num_blocks: int, prefix_caching: bool, budget: int | None = None):
+    """Ten requests of shared prompt starts and 16 tokens each into one engine, run to the end (scheduled as the
+    manager schedules)."""
+    sched = make_scheduler(mode, 3, 2, budget, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    driver = Driver(sched, schedule_after_prefill=False)
     for n in range(10):
         driver.arrive(3 + 2 * n % 17, 16, False)
     for _ in range(3000):
         if not (driver.inflight or sched.waiting or sched.num_running()):
             break
-        driver.complete(lambda num_drafts: [7] * ((num_drafts if accept_all else 0) + 1))
+        driver.complete(lambda num_drafts: [7] * (num_drafts + 1))
         check_all(driver)
     check_drained_blocks(driver)
     assert len(driver.finished) == 10
@@ -57,20 +62,25 @@ def burst(mode: str, num_blocks: int, prefix_caching: bool, accept_all: bool = T
 
 
 def test_a_burst_into_a_small_pool_preempts_and_resumes_every_request_once():
-    """Not vacuous: with 16 blocks every mode preempts, and with prefix caching every pool finds blocks again
-    (the prompts share their starts, and a resumed request finds its own)."""
-    for mode in ("psd", "sd_split", "sd", "ar"):
-        for prefix_caching in (False, True):
-            driver = burst(mode, 16, prefix_caching)
-            sched = driver.sched
-            assert sched.counters["preemptions"] > 0, mode
-            assert all(driver.admissions[id(s)] == s.request.num_preemptions + 1 for s in driver.states)
-            assert set(sched.kv) == ({KVRole.TARGET} if mode == "ar" else {KVRole.TARGET, KVRole.DRAFT})
-            for pool in sched.kv.values():
-                assert (pool.hit_tokens > 0) == prefix_caching, (mode, pool.hit_tokens)
-            # psd split while it could (max_batch 3, ten requests): the balance was checked after every step
-            if mode == "psd":
-                assert sched.counters["balance_violations"] == 0
+    """Not vacuous: with 16 blocks every mode preempts, also requests between their prompt chunks (prefilled 1
+    or 3 tokens a step), and with prefix caching every pool finds blocks again (the prompts share their
+    starts, and a resumed request finds its own)."""
+    preempted, between_chunks = Counter(), 0
+    for mode, prefix_caching, budget in itertools.product(("psd", "sd_split", "sd", "ar"), (False, True),
+                                                          (None, 1, 3)):
+        driver = burst(mode, 16, prefix_caching, budget)
+        sched = driver.sched
+        preempted[mode] += sched.counters["preemptions"]
+        between_chunks += driver.preempted_between_chunks
+        assert all(driver.admissions[id(s)] == s.request.num_preemptions + 1 for s in driver.states)
+        assert set(sched.kv) == ({KVRole.TARGET} if mode == "ar" else {KVRole.TARGET, KVRole.DRAFT})
+        for pool in sched.kv.values():
+            assert (pool.hit_tokens > 0) == prefix_caching, (mode, pool.hit_tokens)
+        # psd split while it could (max_batch 3, ten requests): the balance was checked after every step
+        if mode == "psd":
+            assert sched.counters["balance_violations"] == 0
+    assert all(preempted[mode] > 0 for mode in ("psd", "sd_split", "sd", "ar")), preempted
+    assert between_chunks > 0
 
 
 # ---- the runtime ------------------------------------------------------------------------------------------

@@ -48,8 +48,12 @@ class Driver:
     """The manager's part, without actors: plans go into a FIFO in submission order; completing the oldest
     commits tokens made up from the hypothesis draws."""
 
-    def __init__(self, sched: Scheduler):
+    def __init__(self, sched: Scheduler, schedule_after_prefill: bool = True):
+        """schedule_after_prefill: schedule after every completed task; False: as the manager does, only after a
+        verify (or when nothing is in flight), so a request between its prompt chunks is idle when the next
+        verify's riders ask for blocks."""
         self.sched = sched
+        self.schedule_after_prefill = schedule_after_prefill
         self.inflight: deque = deque()
         self.finished: dict[str, int] = {}
         self.states: list[RequestState] = []
@@ -65,6 +69,7 @@ class Driver:
         self.admitted_at: dict[int, int] = {}
         self.preemptions = 0
         self.plans: list[tuple] = []          # every schedule call's plan, by arrival numbers (plan_shape)
+        self.preempted_between_chunks = 0     # preempted with prompt chunks still to plan
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -133,7 +138,10 @@ class Driver:
             for state, _, _ in live:
                 if state.request.finished:
                     self.finish(state, None)
-        self.schedule(None if isinstance(task, PrefillPlan) else task.batch)
+        if isinstance(task, VerifyPlan):
+            self.schedule(task.batch)
+        elif self.schedule_after_prefill or not self.inflight:
+            self.schedule(None)
 
     def stop_string(self, i: int) -> None:
         """A stop string is matched on the text, above the engine: the caller aborts the request."""
@@ -154,6 +162,7 @@ class Driver:
             self.planned.pop(id(state), None)
             self.prefilled.pop(id(state), None)
             self.preemptions += 1
+            self.preempted_between_chunks += not state.ready
         for state in self.states:
             if state.admitted_at != self.admitted_at.get(id(state), -1):
                 self.admitted_at[id(state)] = state.admitted_at
@@ -172,6 +181,7 @@ class Driver:
         for verify in plan.verifies:
             check_round_consistency(self.sched, verify)
             check_prompts_planned(self, verify)
+            check_verify_blocks(self, verify)
             if verify.fresh is not None:
                 self.submit_to_drafter([(row.state.slot, None) for row in verify.fresh.rows])
             self.submit_to_verifier(verify, [(s.slot, None) for s in verify.rows])
@@ -316,6 +326,20 @@ def check_prompts_planned(driver: Driver, verify: VerifyPlan) -> None:
         assert driver.planned.get(id(s), s.cached_tokens) == s.prefill_len, f"{s.id} rides before its prefill"
 
 
+def check_verify_blocks(driver: Driver, verify: VerifyPlan) -> None:
+    """Each rider's slot has blocks for what this verify writes (its length then: the committed tokens, the first
+    token of a prefill in flight, up to k + 1 per verify in flight before it; then k + 1 more) in the target, and in
+    the drafter for its round (in psd and sd_split the round drafted behind it too: k more)."""
+    sched, k = driver.sched, (0 if driver.sched.mode == "ar" else K)
+    cap = MAX_LEN + HEADROOM
+    for s in verify.rows:
+        before = sum(isinstance(t, VerifyPlan) and any(x is s for x in t.rows) for t in driver.inflight)
+        length = s.request.seq_len + (not s.request.output_ids) + (k + 1) * before
+        wants = {KVRole.TARGET: length + k, KVRole.DRAFT: length + k + (k if sched.mode in ("psd", "sd_split") else 0)}
+        for role, pool in sched.kv.items():
+            assert pool.covers(s.slot, min(wants[role], cap)), f"{s.id} rides without blocks in the {role.value} pool"
+
+
 def check_writes_kept(driver: Driver, task) -> None:
     """The target blocks a verifier task wrote were still its requests' when it ended (none freed or moved to
     another request while it was in flight)."""
@@ -395,9 +419,10 @@ def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | N
     return sched
 
 
-def run_events(mode, max_batch, min_requests, events, emit, budget=None, **pools) -> Driver:
+def run_events(mode, max_batch, min_requests, events, emit, budget=None, schedule_after_prefill=True,
+               **pools) -> Driver:
     """Play the events, then drain; emit(num_drafts) -> a verify row's tokens."""
-    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools))
+    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools), schedule_after_prefill)
     for event in events:
         kind, *args = event
         if kind == "arrive":

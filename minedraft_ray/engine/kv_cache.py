@@ -61,14 +61,16 @@ class CacheSizeError(ValueError):
 class BlockPool:
     """Host bookkeeping of the physical blocks: a free list and a reference count per block.
 
-    A block is free at count 0. Counts above 1 are blocks shared by several slots (prefix caching).
+    A block is free at count 0. Counts above 1 are blocks shared by several slots (prefix caching). The counts
+    are a Python list: the runtime's scheduler hands out a few blocks per step one at a time, where numpy's
+    per-element indexing costs several times a list's.
     """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise CacheSizeError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.refcount = np.zeros(num_blocks, dtype=np.int64)
+        self.refcount = [0] * num_blocks
         self.refcount[NULL_BLOCK] = 1  # held forever
         self._free = deque(range(1, num_blocks))
 
@@ -80,7 +82,8 @@ class BlockPool:
         if n > len(self._free):
             raise BlocksExhaustedError(f"{n} KV blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
         blocks = [self._free.popleft() for _ in range(n)]
-        self.refcount[blocks] = 1
+        for b in blocks:
+            self.refcount[b] = 1
         return blocks
 
     def incref(self, block: int) -> None:
@@ -199,6 +202,13 @@ class BlockManager:
         if ids:
             self._map(rows, cols, ids)
 
+    def grow(self, slot: int, n: int) -> None:
+        """n more blocks at the end of `slot`'s table (the caller checked they are available and fit the table)."""
+        start = len(self.held[slot])
+        new = self._take(n)
+        self.held[slot].extend(new)
+        self._map([slot] * n, list(range(start, start + n)), new)
+
     def release(self, slot: int) -> list[int]:
         """Give every block of `slot` back; returns the blocks that became unreferenced (already back in the
         pool; cached ones idle instead)."""
@@ -286,8 +296,9 @@ class BlockManager:
         for blocks in self.held:
             assert len(set(blocks)) == len(blocks), "a slot holds a block twice"
             np.add.at(holders, np.asarray(blocks, dtype=np.int64), 1)
-        assert (self.pool.refcount >= 0).all(), "negative reference count"
-        assert np.array_equal(self.pool.refcount, holders), "reference counts differ from holders"
+        refcount = np.asarray(self.pool.refcount, dtype=np.int64)
+        assert (refcount >= 0).all(), "negative reference count"
+        assert np.array_equal(refcount, holders), "reference counts differ from holders"
         free, idle = list(self.pool._free), set(self.idle)
         assert len(set(free)) == len(free), "a block is on the free list twice"
         held = set(np.flatnonzero(holders).tolist())

@@ -349,7 +349,7 @@ class BatchManager:
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
-            self.sched.config.k = k   # what a step writes past a request's length
+            self.sched.set_k(k)   # what a step writes past a request's length
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
             self.sched.reset_choosers()
 
@@ -588,6 +588,10 @@ class BatchManager:
         return KVEdits(self.sched.take_edits(KVRole.TARGET),
                        self.sched.take_edits(KVRole.DRAFT) if self.mode == "sd" else None)
 
+    def _drafter_tables(self) -> KVEdits:
+        """The block-table changes for the drafter's next task (psd, sd_split)."""
+        return KVEdits(draft=self.sched.take_edits(KVRole.DRAFT))
+
     @staticmethod
     def _prefill_row(c) -> PrefillRow:
         r = c.state.request
@@ -608,8 +612,7 @@ class BatchManager:
         to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
         if to_drafter and self.drafter is not None:
             # the drafter (its own GPU) takes the chunks while the verifier prefills them
-            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter,
-                                              self.sched.take_edits(KVRole.DRAFT))
+            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter, self._drafter_tables())
             self.counters["drafter_prefills"] += 1
             asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
                                                                             self.sched.drafter_generation))
@@ -665,7 +668,7 @@ class BatchManager:
             all_but_two.append(spec.all_but_two)
         message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two,
                              [r.seed for r in requests], [len(r.output_ids) for r in requests],
-                             self.sched.take_edits(KVRole.DRAFT))
+                             self._drafter_tables())
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:

@@ -48,6 +48,9 @@ from ..engine.request import Request
 from .regime import RegimeChooser
 
 
+UNBOUNDED = 1 << 62   # a length no request reaches
+
+
 class KVRole(enum.Enum):
     TARGET = "target"
     DRAFT = "draft"
@@ -72,7 +75,6 @@ class PlannedBlocks(BlockManager):
 
     def __init__(self, spec: KVPoolSpec, num_slots: int, prefix_caching: bool):
         super().__init__(spec.num_blocks, spec.block_size, num_slots, spec.blocks_per_slot, prefix_caching)
-        self.spec = spec
         self._edits: dict[tuple[int, int], int] = {}
 
     def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
@@ -112,6 +114,7 @@ class RequestState:
     prefill_len: int = 0             # tokens to prefill: the prompt, or every token but the newest when resumed
     cached_tokens: int = 0           # of those, found in the prefix cache (mapped, not recomputed)
     prefilled: int = 0               # of those, in the KV once the tasks committed so far ran
+    blocks_cover: int = -1           # the longest length (plus a step) its blocks cover in every pool (Scheduler._reserve)
 
     @property
     def id(self) -> str:
@@ -275,6 +278,9 @@ class Scheduler:
         self.max_len = 0                    # tokens a request may hold (prompt + output)
         self._draft_spec: KVPoolSpec | None = None
         self._admissions = 0
+        self._waiting_for_blocks: set[int] = set()   # id() of members `_grow` could not extend this step
+        self._committed: list[RequestState] = []     # riders of the tasks committed since the last schedule
+        self._kv_changed()
 
     # ---- KV blocks -----------------------------------------------------------------------------
     def attach_kv(self, target: KVPoolSpec, draft: KVPoolSpec | None, max_len: int) -> None:
@@ -286,35 +292,63 @@ class Scheduler:
         self._draft_spec = draft
         if draft is not None and (self.mode == "sd" or self.drafter_alive):
             self.kv[KVRole.DRAFT] = PlannedBlocks(draft, self.config.num_slots, self.config.prefix_caching)
+        self._kv_changed()
 
     def take_edits(self, role: KVRole) -> TableEdits | None:
         """The table changes of `role`'s pool not yet sent: for the next task of the worker holding that model."""
         pool = self.kv.get(role)
         return pool.take_edits() if pool is not None else None
 
-    def _reach(self, s: RequestState, role: KVRole) -> int:
-        """Positions of s's slot in `role`'s model that its tasks may write up to the end of one more verify (and
-        in psd and sd_split the draft round behind it), capped at what one request may hold."""
-        k = 0 if self.mode == "ar" else self.config.k
+    def _reaches(self, s: RequestState) -> list[tuple[PlannedBlocks, int]]:
+        """Per pool, the positions of s's slot that its tasks may write up to the end of one more verify (and in
+        psd and sd_split the draft round behind it), capped at what one request may hold. Runs for riders every
+        step: kept to a few operations."""
+        k = self._step_tokens
         r = s.request
         # its length at that verify: a prefill in flight brings the first token, each verify up to k + 1
-        length = r.seq_len + (not r.output_ids) + (k + 1) * (s.inflight - s.prefill_tasks)
-        # a verify writes k + 1 tokens from length - 1; a round writes from length - 2 up to k - 1 drafts past
-        # its sequence, which the round drafted behind the verify extends by up to k + 1
-        ahead = k if role is KVRole.DRAFT and self.mode in ("psd", "sd_split") else 0
-        return min(length + k + ahead, self.max_len + HEADROOM)
+        length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks)
+        # a verify writes k + 1 tokens from length - 1; a round writes from length - 2 up to k - 1 drafts past its
+        # sequence, which the round drafted behind the verify extends by up to k + 1
+        return [(pool, min(length + k + ahead, self._cap)) for pool, ahead in self._pools]
 
     def _reserve(self, s: RequestState) -> bool:
         """Blocks for s's next verify in every model, all or nothing; False when a pool is short."""
-        wants = [(pool, self._reach(s, role)) for role, pool in self.kv.items()]
-        if any(pool.blocks_missing(s.slot, reach) > pool.num_available for pool, reach in wants):
-            return False
-        for pool, reach in wants:
-            pool.reserve(s.slot, reach)
+        r = s.request
+        k, slot = self._step_tokens, r.slot
+        # `_reaches` inline, for the common case: every pool already covers it (a block lasts several steps)
+        length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
+        if length <= s.blocks_cover:   # mostly: a block lasts several steps
+            return True
+        wants = None
+        for pool, ahead in self._pools:
+            missing = -(-min(length + ahead, self._cap) // pool.block_size) - len(pool.held[slot])
+            if missing > 0:
+                if missing > pool.num_available:
+                    return False
+                wants = (wants or []) + [(pool, missing)]
+        for pool, missing in wants or ():
+            pool.grow(slot, missing)
+        # what the blocks now cover, as `length` counts it (a full table covers any length)
+        s.blocks_cover = min(covered - ahead if covered < self._cap else UNBOUNDED
+                             for pool, ahead in self._pools
+                             for covered in (len(pool.held[slot]) * pool.block_size,))
         return True
 
     def _covered(self, s: RequestState) -> bool:
-        return all(pool.covers(s.slot, self._reach(s, role)) for role, pool in self.kv.items())
+        return all(pool.covers(s.slot, reach) for pool, reach in self._reaches(s))
+
+    def set_k(self, k: int) -> None:
+        """Draft tokens per verify from now on (an idle engine's reconfigure)."""
+        self.config.k = k
+        self._kv_changed()
+
+    def _kv_changed(self) -> None:
+        """Cache what `_reaches` reads per rider: the pools (and how far each one's rounds run ahead of a verify),
+        the tokens a step writes past a request's length, and the longest request."""
+        k = self._step_tokens = 0 if self.mode == "ar" else self.config.k
+        ahead = k if self.mode in ("psd", "sd_split") else 0
+        self._pools = [(pool, ahead if role is KVRole.DRAFT else 0) for role, pool in self.kv.items()]
+        self._cap = self.max_len + HEADROOM
 
     def _register(self, s: RequestState) -> None:
         """Prefix caching: offer the full blocks whose K/V no task will write again. The target's below its KV
@@ -323,11 +357,13 @@ class Scheduler:
         if not self.config.prefix_caching or s.slot is None:
             return
         r = s.request
-        final = {KVRole.TARGET: r.seq_len - 1 if s.prefilled == s.prefill_len else s.prefilled,
-                 KVRole.DRAFT: min(r.draft_valid, r.seq_len - 2)}
         for role, pool in self.kv.items():
-            if final[role] >= pool.registered(s.slot) + pool.block_size:   # a new full block: hash it
-                pool.register(s.slot, r.tokens, final[role])
+            if role is KVRole.TARGET:
+                final = r.seq_len - 1 if s.prefilled == s.prefill_len else s.prefilled
+            else:
+                final = min(r.draft_valid, r.seq_len - 2)
+            if final >= pool.registered(s.slot) + pool.block_size:   # a new full block: hash it
+                pool.register(s.slot, r.tokens, final)
 
     def _free_blocks(self, s: RequestState) -> None:
         self._register(s)   # what it leaves behind stays cached, idle, for a request that starts the same way
@@ -446,6 +482,7 @@ class Scheduler:
         self.drafter_alive = False
         self.drafter_generation += 1
         self.kv.pop(KVRole.DRAFT, None)
+        self._kv_changed()
         return True
 
     def drafter_up(self, pool: KVPoolSpec | None = None) -> None:
@@ -453,9 +490,11 @@ class Scheduler:
         start, in blocks it takes from the new pool at its next verify."""
         for s in self.batches[0] + self.batches[1] + list(self.waiting):
             s.request.draft_valid = 0
+            s.blocks_cover = -1   # nothing in the new pool yet
         self._draft_spec = pool or self._draft_spec
         if self.kv and self._draft_spec is not None:
             self.kv[KVRole.DRAFT] = PlannedBlocks(self._draft_spec, self.config.num_slots, self.config.prefix_caching)
+        self._kv_changed()
         self.drafter_alive = True
 
     # ---- membership ----------------------------------------------------------------------------
@@ -502,17 +541,19 @@ class Scheduler:
         # models, so that one prefill serves both
         found = {role: pool.lookup(r.tokens, first_len - 2) for role, pool in self.kv.items()}
         hit = min(map(len, found.values()))
+        reaches = dict(self._reaches(s))   # pool -> positions its prefill and first verify write
         for role, pool in self.kv.items():
             # adopting idle cached blocks takes them out of what a reservation may evict
             available = pool.num_available - sum(b in pool.idle for b in found[role][:hit])
-            if pool.blocks_for(self._reach(s, role)) - hit + reserve_for > available:
+            if pool.blocks_for(reaches[pool]) - hit + reserve_for > available:
                 self.slots.free(slot)
                 r.slot = None
                 return False
         for role, pool in self.kv.items():
             pool.adopt(slot, found[role][:hit])
-            pool.reserve(slot, self._reach(s, role))
+            pool.reserve(slot, reaches[pool])
             pool.count_lookup(first_len - 2, hit * pool.block_size)
+        s.blocks_cover = -1
         s.cached_tokens = r.num_cached_tokens = hit * self.kv[KVRole.TARGET].block_size
         s.prompt_planned = s.prefilled = s.cached_tokens
         # the drafter holds the cached prefix (and catches up from there on its first round, or takes the chunks)
@@ -528,12 +569,15 @@ class Scheduler:
         the rest fit (vLLM's recompute preemption). -> the preempted, most recent first."""
         preempted = []
         short = [s for batch in self.batches for s in batch
-                 if s.ready and s.inflight == s.prefill_tasks and not self._reserve(s)]
+                 if s.inflight == s.prefill_tasks and s.ready and not self._reserve(s)]
+        self._waiting_for_blocks.clear()
         for s in sorted(short, key=lambda s: s.admitted_at):
             while s.status is Status.RUNNING and not self._reserve(s):
                 victim = self._victim()
                 if victim is None or victim.admitted_at < s.admitted_at:
-                    break   # only requests admitted before it are idle: it waits for tasks in flight to end
+                    # only requests admitted before it are idle: it waits for tasks in flight to end
+                    self._waiting_for_blocks.add(id(s))
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
         return preempted
@@ -548,7 +592,7 @@ class Scheduler:
         self._free_blocks(s)
         self.slots.free(s.slot)
         s.request.slot = None
-        for b, batch in enumerate(self.batches):
+        for batch in self.batches:
             if s in batch:
                 batch.remove(s)
         if s in self.unprefilled:
@@ -600,10 +644,11 @@ class Scheduler:
         its chain. Runs when batch `committed` has just been committed (None: from idle)."""
         assert self.kv, "the KV pools are not attached (attach_kv)"
         plan = SchedulePlan(finished=self._retire())
-        if self.config.prefix_caching:
-            for batch in self.batches:
-                for s in batch:
+        if self.config.prefix_caching:   # the requests whose tasks committed since: their K/V grew
+            for s in self._committed:
+                if s.status is Status.RUNNING:
                     self._register(s)
+        self._committed.clear()
         self.update_saturation()
         plan.preempted = self._grow()
         self.waiting.extendleft(plan.preempted)   # back in front, the earliest admitted first
@@ -698,9 +743,9 @@ class Scheduler:
             rows = [s for s in self.batches[b] if s.ready]
         else:   # a request rides when its state is committed, or only its prefill is ahead of it
             rows = [s for s in self.batches[b] if s.ready and s.inflight == s.prefill_tasks]
-        # and when it has the blocks the verify writes (a second verify queued in sd and ar takes more; without
-        # them the request rides the next one)
-        rows = [s for s in rows if self._reserve(s)]
+        # and when it has the blocks the verify writes (mostly `_grow` or its admission gave them; a second verify
+        # queued in sd and ar takes more, as does a restarted drafter's pool); without them it rides a later one
+        rows = [s for s in rows if id(s) not in self._waiting_for_blocks and self._reserve(s)]
         if not rows:
             return None   # every member is still in flight in the other batch (moved): next commit
         regime = self.regime(b)
@@ -778,6 +823,8 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
     def commit_prefill(self, prefill: PrefillPlan) -> None:
+        if self.config.prefix_caching:
+            self._committed += prefill.requests
         for c in prefill.chunks:
             s = c.state
             s.inflight -= 1
@@ -789,6 +836,8 @@ class Scheduler:
 
     def commit_verify(self, verify: VerifyPlan) -> None:
         """verify's result is committed (the manager appended its tokens): its riders are free to ride again."""
+        if self.config.prefix_caching:
+            self._committed += verify.rows
         for s in verify.rows:
             s.inflight -= 1
             s.last_seq = verify.seq

@@ -201,7 +201,7 @@ class DraftRound:
     all_but_two: list[bool]
     seeds: list[int]
     positions: list[int]
-    tables: TableEdits | None = None   # the drafter's block-table changes since its previous task
+    tables: KVEdits | None = None      # the drafter's block-table changes since its previous task
 
     @property
     def num_rows(self) -> int:
@@ -589,11 +589,11 @@ class DrafterWorker(_Worker):
     def kv_pools(self) -> dict:
         return {"draft": self._pool_of(self.drafter.runner)}
 
-    def _map_blocks(self, tables: TableEdits | None) -> None:
-        if tables is not None:
-            self.drafter.runner.map_blocks(tables)
+    def _map_blocks(self, tables: KVEdits | None) -> None:
+        if tables is not None and tables.draft is not None:
+            self.drafter.runner.map_blocks(tables.draft)
 
-    def prefill(self, seq: int, rows: list[PrefillRow], tables: TableEdits | None = None) -> float:
+    def prefill(self, seq: int, rows: list[PrefillRow], tables: KVEdits | None = None) -> float:
         """Put new requests' prompt chunks in their slots (once a prompt is all there, its first draft feeds
         only the last two tokens) -> device ms. tables: the drafter's block-table changes."""
         with self._turn(seq):
