@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from .placement import actor_options, create_placement_group
 from .rendezvous import host_store
 from .transport import DraftChannel
-from .workers import TargetRank, WorkerSet
+from .workers import TargetRank, WorkerConfig, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -36,6 +36,7 @@ class WorkerActors:
     def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
                  placement_group: PlacementGroup | None):
         self.config, self.num_slots, self.channel, self.workers = config, num_slots, channel, workers
+        self.worker_config = WorkerConfig.of(config)   # the pair checked once here, not in every actor
         self.mode = config.mode
         self.pg, self.own_pg = placement_group, False
         self.verifier = self.drafter = None
@@ -62,12 +63,12 @@ class WorkerActors:
         if tp > 1:   # the bundles are on this node (STRICT_PACK), so the ranks reach the store at its IP
             self._tp_store, group["tp_group"] = host_store(ray.util.get_node_ip_address(), "tp", START_TIMEOUT_S)
         self.verifier = cls.options(**actor_options(self.pg, self.mode, role, tp), **threads).remote(
-            self.config.model_dump(), self.num_slots, **self.workers.verifier_kwargs, **group)
+            self.worker_config, self.num_slots, **self.workers.verifier_kwargs, **group)
         waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
         rank_cls = ray.remote(max_restarts=0)(TargetRank)
         # two threads: a rank answers calls (ready, a health probe) while it follows
         self.ranks = [rank_cls.options(**actor_options(self.pg, self.mode, "rank", tp, rank), max_concurrency=2)
-                      .remote(self.config.model_dump(), self.num_slots, rank, group["tp_group"])
+                      .remote(self.worker_config, self.num_slots, rank, group["tp_group"])
                       for rank in range(1, tp)]
         rank_waits = [wait_for(r.ready.remote(), f"target rank {i + 1} start", START_TIMEOUT_S)
                       for i, r in enumerate(self.ranks)]
@@ -87,7 +88,7 @@ class WorkerActors:
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
         placement = actor_options(self.pg, self.mode, "drafter", self.config.tp)
         return self._drafter_cls.options(**placement, **threads).remote(
-            self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
+            self.worker_config, self.num_slots, **self.workers.drafter_kwargs)
 
     async def replace_drafter(self) -> dict:
         """Kill the drafter (if any is left) and start a new one, connected -> its info."""

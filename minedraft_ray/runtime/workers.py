@@ -198,17 +198,32 @@ class VerifierResult:
     draft_ms: float = 0.0     # sd: the draft half of the step
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What each of an engine's worker actors starts from: the engine's settings, and the tokens its target and
+    draft share, from the one check of the pair made before they start (a check in every actor would load both
+    tokenizers there, transformers' import included, in each actor start and each drafter restart)."""
+    settings: dict                # EngineConfig.model_dump()
+    vocab_limit: int | None       # ids both models may emit; None without a drafter
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> WorkerConfig:
+        """Checks the pair (IncompatiblePairError) when the mode drafts."""
+        vocab_limit = check_pair(resolve_model(config.target), resolve_model(config.draft)).shared_vocab \
+            if config.uses_drafter else None
+        return cls(config.model_dump(), vocab_limit)
+
+
 class _Worker:
-    def __init__(self, config: dict, num_slots: int):
-        self.config = EngineConfig.model_validate(config)
+    def __init__(self, config: WorkerConfig, num_slots: int):
+        self.config = EngineConfig.model_validate(config.settings)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = pick_device(self.config)
         self.dtype = pick_dtype(self.config, self.device)
         self.num_slots = num_slots
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
-        self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
-            if self.config.uses_drafter else None
+        self.vocab_limit = config.vocab_limit
         # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
         self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
         # the collective channels' end (PeerLink, or ray_collective.ChannelEnd), one per drafter generation
