@@ -67,14 +67,13 @@ def prefill_forward(model, x, input_pos):   # its own function: compiled with ot
     return model(x, input_pos)
 
 
-def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
+def time_gpt_fast(args, cfg, device, dtype, emit) -> None:
     max_batch = max(args.batches)
     max_seq = args.context + args.prefill_tokens + args.k + 8
     model = gpt_fast_model(Path(args.gpt_fast), cfg, max_batch, max_seq, device, dtype)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)   # a shape per batch, q
     step = torch.compile(step_forward, mode="reduce-overhead", fullgraph=True) if args.compile else step_forward
     prefill = torch.compile(prefill_forward, fullgraph=True, dynamic=True) if args.compile else prefill_forward
-    rows = []
     with torch.inference_mode():
         for batch in args.batches:
             set_batch(model, batch, max_seq, device)
@@ -87,7 +86,7 @@ def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
                 compile_s = time.perf_counter() - t0
                 times = time_steps(lambda: step(model, x, pos), device, args.warmup, args.reps,
                                    f"gpt-fast {name} b={batch}")
-                rows.append(row("gpt-fast", name, batch, q, args.context, times, compile_s))
+                emit(row("gpt-fast", name, batch, q, args.context, times, compile_s))
         set_batch(model, 1, max_seq, device)
         x = torch.randint(16, cfg.vocab_size, (1, args.prefill_tokens), device=device)
         pos = torch.arange(args.prefill_tokens, device=device)
@@ -96,11 +95,11 @@ def time_gpt_fast(args, cfg, device, dtype) -> list[dict]:
             prefill(model, x, pos)
         compile_s = time.perf_counter() - t0
         times = time_steps(lambda: prefill(model, x, pos), device, args.warmup, args.reps, "gpt-fast prefill")
-        rows.append(row("gpt-fast", "prefill", 1, args.prefill_tokens, 0, times, compile_s))
-    return rows   # the model and its caches go with this frame
+        emit(row("gpt-fast", "prefill", 1, args.prefill_tokens, 0, times, compile_s))
+    # the model and its caches go with this frame
 
 
-def time_minedraft(args, target: str, device, dtype) -> list[dict]:
+def time_minedraft(args, target: str, device, dtype, emit) -> None:
     from minedraft_ray.engine.loader import load_model
     from minedraft_ray.engine.presets import resolve_model
     from minedraft_ray.engine.runner import ModelRunner
@@ -113,7 +112,6 @@ def time_minedraft(args, target: str, device, dtype) -> list[dict]:
     runner.capture_all((args.k + 1, 1))
     capture_s = time.perf_counter() - t0
     vocab = model.cfg.vocab_size
-    rows = []
     for batch in args.batches:
         slots = list(range(batch))
         slot_t = torch.tensor(slots, device=device)
@@ -122,11 +120,11 @@ def time_minedraft(args, target: str, device, dtype) -> list[dict]:
             times = time_steps(lambda: runner.step(slot_t, ids), device, args.warmup, args.reps,
                                f"minedraft {name} b={batch}",
                                before=lambda: runner.set_lengths(slots, [args.context] * batch))
-            rows.append(row("minedraft", name, batch, q, args.context, times, capture_s))
+            emit(row("minedraft", name, batch, q, args.context, times, capture_s))
     prompt = torch.randint(16, vocab, (args.prefill_tokens,)).tolist()
     times = time_steps(lambda: runner.prefill([0], [prompt]), device, args.warmup, args.reps, "minedraft prefill")
-    rows.append(row("minedraft", "prefill", 1, args.prefill_tokens, 0, times, capture_s))
-    return rows   # the runner and its model go with this frame, before gpt-fast's model is built
+    emit(row("minedraft", "prefill", 1, args.prefill_tokens, 0, times, capture_s))
+    # the runner and its model go with this frame, before gpt-fast's model is built
 
 
 def row(engine, step, batch, q, context, times, compile_s) -> dict:
@@ -169,12 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_pretrained(resolve_model(args.target))
     context = {"shape": args.target, "dtype": str(dtype).removeprefix("torch."), "git_sha": git_sha(),
                "command": command_line("bench.gpt_fast_peer", argv), "device": device_name(device)}
-    rows = [{**context, **r} for r in time_minedraft(args, args.target, device, dtype)]
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    rows += [{**context, **r} for r in time_gpt_fast(args, cfg, device, dtype)]
-    for r in rows:
-        say(f"{r['engine']} {r['step']} b={r['batch']} q={r['tokens_per_row']}: {fmt(r['ms'])} ms")
     notes = [f"shape {args.target} (random weights), {context['dtype']}; decode and verify with {args.context} "
              f"tokens in every slot, verify k + 1 = {args.k + 1} tokens per row; prefill one prompt of "
              f"{args.prefill_tokens} tokens",
@@ -184,8 +176,19 @@ def main(argv: list[str] | None = None) -> int:
              "ms: median of the timed steps; compile_s: gpt-fast's compile and first runs of that shape, ours the "
              "capture of every graph at start (one value for all rows)"]
     out = Path(args.out or ("/tmp/gpt_fast_peer_smoke" if args.smoke else "bench/results"))
-    write_results(rows, out, NAME, COLUMNS, "gpt-fast vs minedraft: step times at the same shape",
-                  context["command"], context["device"], notes, TABLE)
+    rows = []
+
+    def emit(r: dict) -> None:   # written after every row: gpt-fast's compiles can outlast a device call
+        rows.append({**context, **r})
+        say(f"{r['engine']} {r['step']} b={r['batch']} q={r['tokens_per_row']}: {fmt(r['ms'])} ms "
+            f"(compile/capture {fmt(r['compile_s'])} s)")
+        write_results(rows, out, NAME, COLUMNS, "gpt-fast vs minedraft: step times at the same shape",
+                      context["command"], context["device"], notes, TABLE)
+
+    time_minedraft(args, args.target, device, dtype, emit)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    time_gpt_fast(args, cfg, device, dtype, emit)
     say(f"wrote {out / NAME}.{{parquet,md,png}}")
     return 0
 

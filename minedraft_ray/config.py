@@ -58,8 +58,16 @@ class EngineConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=512, description="requests per verify step (psd holds 2x)")
     tp: int = Field(1, ge=1, le=8, description="the target's tensor-parallel size: GPUs its ranks span, on one node "
                     "(psd and sd_split add one for the drafter, which always runs on one GPU)")
-    max_len: int = Field(2048, ge=16, description="tokens per request: prompt + output")
+    max_len: int | None = Field(None, ge=16, description="tokens per request: prompt + output (default: the target's "
+                                "context, max_position_embeddings, lowered to what the KV pools hold)")
     num_slots: int | None = Field(None, ge=1, description="KV slots per model (default: what the mode holds)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of each GPU's memory the worker may "
+                                          "fill (weights, KV pool, activations); the KV pool takes what is left")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = Field(None, ge=2, description="KV blocks per model's pool (default: from memory, "
+                                      "gpu_memory_utilization)")
+    prefix_caching: bool = Field(False, description="share the KV blocks of common prompt prefixes across "
+                                 "requests, in both models")
     draft_temperature: float = Field(0.0, ge=0.0, description="0 = greedy drafting (only ids travel)")
     draft_top_k: int = Field(64, ge=0, description="probabilistic drafting proposes from the drafter's most "
                              "likely tokens, this many (renormalised; still lossless), and only their (prob, id) "
@@ -73,7 +81,7 @@ class EngineConfig(BaseModel):
     prefill_chunk_tokens: int | None = Field(
         None, ge=0, description="the per-step token budget: prompt tokens prefilled per verifier step. Prompts are cut "
         "into chunks that ride along with the decode/verify steps, so a long prompt delays a running request's next "
-        "token by at most one chunk (default: 512 on a GPU, 0 on a CPU); 0: whole prompts at once (unchunked)")
+        "token by at most one chunk (default: 512 on a GPU, 256 on a CPU); 0: whole prompts at once (unchunked)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")
@@ -127,6 +135,13 @@ class EngineConfig(BaseModel):
     def _split_origins(cls, value):   # a flag or MINEDRAFT_CORS_ALLOW_ORIGINS: "https://a.example,https://b.example"
         return [o.strip() for o in value.split(",") if o.strip()] if isinstance(value, str) else value
 
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value):
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, got {value}")
+        return value
+
     @model_validator(mode="after")
     def _check(self):
         if self.mode != "ar" and not self.draft:
@@ -166,8 +181,8 @@ class EngineConfig(BaseModel):
         for name in cls.model_fields:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                nullable = ("draft", "num_slots", "prefill_chunk_tokens", "min_replicas", "max_replicas",
-                            "ingress_max_replicas")
+                nullable = ("draft", "max_len", "num_slots", "num_kv_blocks", "prefill_chunk_tokens", "min_replicas",
+                            "max_replicas", "ingress_max_replicas")
                 values[name] = None if raw.lower() in ("", "none", "null") and name in nullable else raw
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         return cls.model_validate(values)

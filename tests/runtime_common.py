@@ -3,7 +3,9 @@ import time
 
 import ray
 
+from minedraft_ray.engine.kv_cache import TableEdits
 from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime.scheduler import KVPoolSpec, PlannedBlocks
 from minedraft_ray.testing.channel import wildcard_listeners
 
 
@@ -53,3 +55,30 @@ def check_balance(history, max_batch=None, min_requests=2):
             assert 0 in (a, b), rec
         elif a + b >= 2:
             assert abs(a - b) <= 1, rec
+
+
+def listeners_beside_ray(llm) -> dict:
+    """Ports each process of the engine listens on besides its Ray worker's own: the manager, the target's ranks
+    (rank 0 is the verifier), the drafter."""
+    from minedraft_ray.testing.channel import ray_worker_port, tcp_listeners
+
+    def others(_):
+        own = ray_worker_port()
+        return sorted(port for _, port in tcp_listeners() if port != own)
+
+    def found(self):
+        m = self.manager
+        actors = {"verifier": m.verifier, **{f"rank {i + 1}": r for i, r in enumerate(m.actors.ranks)},
+                  **({"drafter": m.drafter} if m.drafter is not None else {})}
+        return {"manager": others(None), **{name: ray.get(a.__ray_call__.remote(others))
+                                            for name, a in actors.items()}}
+    return ray.get(llm.manager.__ray_call__.remote(found))
+
+
+def whole_tables(worker, model: str, slots: list[int], tokens: int) -> TableEdits:
+    """For tests that drive a worker actor's methods directly, in the scheduler's place: blocks for positions
+    [0, tokens) of each slot in the worker's pool of `model` (target, draft), as table changes for its first task."""
+    spec = KVPoolSpec(**worker.kv_pools()[model])
+    blocks = PlannedBlocks(spec, max(slots) + 1, prefix_caching=False)
+    blocks.reserve_many(slots, [tokens] * len(slots))
+    return blocks.take_edits()

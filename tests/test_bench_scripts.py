@@ -110,3 +110,34 @@ def test_gpt_fast_peer_smoke(tmp_path):
                                                         for s in ("decode", "verify", "prefill")}
     assert all(r["ms"] > 0 for r in rows)
     assert "`python -m bench.gpt_fast_peer --smoke" in (tmp_path / "gpt_fast_peer.md").read_text()
+
+
+def test_parity_pairs_runtime_and_engine_rows(tmp_path):
+    """bench.parity: each configuration both trees measured becomes one row with change / parent; a median row
+    over repeats; engine steps pair by shape and take the ratio of step ms."""
+    import pyarrow as pa
+
+    from bench import parity
+
+    def run(name, rows):
+        path = tmp_path / name / "x.parquet"
+        path.parent.mkdir()
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        return path
+    closed = {"mode": "ar", "workload": "closed", "m": 16, "batch": 16, "k": None, "alpha_group": None,
+              "device": "d", "status": "ok"}
+    runs = [run(f"r{i}", [{**closed, "tokens_per_s": tps, "git_sha": sha}, {**closed, "m": 64, "tokens_per_s": 1.0,
+                                                                           "git_sha": sha, "status": "error"}])
+            for i, (tps, sha) in enumerate([(100.0, "p"), (110.0, "c"), (100.0, "p"), (90.0, "c"), (100.0, "p"),
+                                            (105.0, "c")])]
+    assert parity.main([*map(str, runs), "--out", str(tmp_path / "out")]) == 0
+    rows = pq.read_table(tmp_path / "out" / "runtime_parity.parquet").to_pylist()
+    assert sorted(round(r["change_over_parent"], 3) for r in rows if r["repeat"] != "median") == [0.9, 1.05, 1.1]
+    assert [round(r["change_over_parent"], 3) for r in rows if r["repeat"] == "median"] == [1.05]
+
+    shape = {"model": "8b", "batch": 64, "q": 1, "context": 512, "lengths": "512", "device": "d"}
+    parent = run("ep", [{**shape, "ms": 6.0, "git_sha": "p"}, {**shape, "q": 5, "ms": 10.0, "git_sha": "p"}])
+    change = run("ec", [{**shape, "ms": 6.6, "git_sha": "c"}])
+    assert parity.main([str(parent), str(change), "--engine", "--out", str(tmp_path / "out")]) == 0
+    (row,) = pq.read_table(tmp_path / "out" / "engine_parity.parquet").to_pylist()
+    assert (row["q"], round(row["change_over_parent"], 3), row["git_sha_parent"]) == (1, 1.1, "p")

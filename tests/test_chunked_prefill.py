@@ -45,19 +45,22 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # ar is sd's chain without drafts, sd_split psd's (suite time)
 def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
     """max_batch 3 of 8 prompts: later prompts are admitted, and chunked, while others decode. Each chunk size
-    in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut."""
+    in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut, and a budget
+    that all the prompts fit takes as many prefill tasks as whole prompts do (it cuts nothing)."""
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
               torch_threads=1, **({"psd_high_load": "psd"} if mode == "psd" else {}))
     try:
         prompt_lengths = [len(llm._encode(p)) for p in PROMPTS]
         assert max(prompt_lengths) > 100 and len(set(prompt_lengths)) == len(PROMPTS)
-        for chunk in CHUNKS:
+        fits = 2 * sum(prompt_lengths)   # psd's split halves the budget
+        tasks_at = {}
+        for chunk in CHUNKS + (fits,):
             before = llm.info()["prefill_tasks"]
             reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
             outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
             assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
             info = llm.info()
-            tasks = info["prefill_tasks"] - before
+            tasks = tasks_at[chunk] = info["prefill_tasks"] - before
             if chunk:   # one task holds at most `chunk` tokens
                 assert tasks >= math.ceil(sum(prompt_lengths) / chunk), (chunk, tasks)
             else:       # whole prompts: at most one task per admission
@@ -65,6 +68,7 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, 
             if mode != "ar":
                 assert sum(o.stats["accepted"] for o in outs) > 0
             assert info["prefill_pending"] == 0
+        assert tasks_at[fits] == tasks_at[0], tasks_at
     finally:
         llm.shutdown()
 

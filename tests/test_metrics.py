@@ -26,8 +26,12 @@ from minedraft_ray.observability.metrics import LATENCY_BUCKETS
 from minedraft_ray.runtime import LLM
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over", "import os\nimport sys\n\n",
-           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "# comment"]
-LENGTHS = [6, 20, 11, 16, 3, 9]
+           "class Foo:\n    def __init__(self):", "x = [1, 2, 3]\nfor i in x:", "# comment",
+           "The quick brown fox jumps over"]   # the repeat finds the first one's blocks in the prefix cache
+LENGTHS = [6, 20, 11, 16, 3, 9, 8]
+# paged KV: blocks of 4, 18 per model (a request holds up to 58 tokens): four requests at once run short, so
+# requests are preempted, and resumed ones find their own blocks in the prefix cache too
+KV = {"prefix_caching": True, "block_size": 4, "num_kv_blocks": 18}
 POLL_S = 60.0
 
 
@@ -109,7 +113,7 @@ def served(ray_cluster, prom, tiny_llama, tiny_llama_draft):
     model = f"metrics-{uuid.uuid4().hex[:8]}"
     # psd_high_load=psd: the batches split whenever more than one batch's worth runs, so psd-regime series exist
     llm = LLM(str(tiny_llama), str(tiny_llama_draft), mode="psd", k=3, max_batch=2, model_name=model, torch_threads=1,
-              psd_high_load="psd")
+              psd_high_load="psd", **KV)
     try:
         wired = ray.get(llm.manager.__ray_call__.remote(lambda actor: getattr(actor.manager, "metrics", None)
                                                         is not None))
@@ -119,7 +123,7 @@ def served(ray_cluster, prom, tiny_llama, tiny_llama_draft):
 
         async def aborted_stream():
             rid, ids, last = f"abort-{model}", [], None
-            params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
             async for out in llm.stream("Once upon a time", params, rid):
                 ids += out.new_token_ids
                 last = out
@@ -128,7 +132,7 @@ def served(ray_cluster, prom, tiny_llama, tiny_llama_draft):
             return ids, last
 
         ab_ids, ab_last = asyncio.run(aborted_stream())
-        assert ab_last.finish_reason == "abort" and len(ab_ids) < 200
+        assert ab_last.finish_reason == "abort" and len(ab_ids) < 40
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
         outs = llm.generate(PROMPTS, params)
         yield {"model": model, "llm": llm, "outs": outs, "aborted_tokens": len(ab_ids),
@@ -155,6 +159,7 @@ def test_prometheus_sees_what_the_requests_saw(prom, served):
     outs, n = served["outs"], len(served["outs"])
     stats = [o.stats for o in outs] + [served["aborted_stats"]]
     history = served["history"]
+    kv = served["info"]["kv_cache"]
     expected = {
         f"sum(ray_minedraft_generation_tokens_total{{{sel}}})":
             sum(len(o.token_ids) for o in outs) + served["aborted_tokens"],
@@ -183,8 +188,14 @@ def test_prometheus_sees_what_the_requests_saw(prom, served):
         f"sum(ray_minedraft_slots_in_use{{{sel}}})": 0,
         f"sum(ray_minedraft_num_slots{{{sel}}})": served["info"]["num_slots"],
         f"sum(ray_minedraft_drafter_alive{{{sel}}})": 1,
+        # paged KV: every block back, and the engine's own totals of prefix-cache lookups and preemptions
+        f"sum(ray_minedraft_kv_cache_usage{{{sel}}})": 0,
+        f"sum(ray_minedraft_preemptions_total{{{sel}}})": served["info"]["preemptions"],
+        **{f'sum(ray_minedraft_prefix_cache_{kind}_total{{{sel}, kv_cache="{pool}"}})': kv[pool][f"{field}_tokens"]
+           for pool in ("target", "draft") for kind, field in (("hits", "hit"), ("queries", "query"))},
     }
     assert sum(s["drafted"] for s in stats) > 0 and any(h.regime == "psd" for h in history)
+    assert served["info"]["preemptions"] > 0 and kv["target"]["hit_tokens"] > 0 and kv["draft"]["hit_tokens"] > 0
     seen = poll(prom, expected)
     wrong = {e: (seen[e], v) for e, v in expected.items() if seen[e] is None or abs(seen[e] - v) > 1e-6}
     assert not wrong, f"(prometheus, expected): {wrong}"

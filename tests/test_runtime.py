@@ -11,7 +11,7 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
 from runtime_common import (LENGTHS, PROMPTS, check_balance, greedy, links_in_flight, links_listening_everywhere,
-                            settled)
+                            settled, whole_tables)
 
 
 def test_make_bundles():
@@ -236,7 +236,7 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import PrefillRow, SamplingRow, SpecWorker, WorkerConfig
+    from minedraft_ray.runtime.workers import KVEdits, PrefillRow, SamplingRow, SpecWorker, WorkerConfig
 
     cfg = WorkerConfig.of(EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3,
                                        max_batch=4, device="cpu", torch_threads=1,
@@ -245,8 +245,10 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
     rows = [PrefillRow(s, 0, p, r) for s, p, r in zip(slots, prompts, greedy_rows)]
-    first = state_worker.prefill(0, rows, 0).tokens
-    assert host_worker.prefill(0, rows, 0).tokens == first
+    tables = [KVEdits(*(whole_tables(w, model, slots, 64) for model in ("target", "draft")))
+              for w in (state_worker, host_worker)]
+    first = state_worker.prefill(0, rows, 0, tables[0]).tokens
+    assert host_worker.prefill(0, rows, 0, tables[1]).tokens == first
     sequences = [p + f for p, f in zip(prompts, first)]
     for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
@@ -283,7 +285,8 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
                                        draft_temperature=draft_temperature))
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)])
+    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)], whole_tables(ahead, "draft", slots, 64))
+    scratch_tables = [whole_tables(scratch, "draft", slots, 64)]   # sent with its first round
     prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
     verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
@@ -291,7 +294,8 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     def round_of(seq, rows, positions):
         """rows: (slot, valid, tail, takes, all_but_two) per row -> the round's columns."""
         columns = [list(c) for c in zip(*rows)]
-        return DraftRound(seq, k, *columns, seeds, positions)
+        return DraftRound(seq, k, *columns, seeds, positions, scratch_tables.pop() if seq == 0 and scratch_tables
+                          else None)
 
     def compare(rows, positions, *sources):
         ids, _ = ahead.draft(round_of(1, rows, positions), *sources)

@@ -12,10 +12,16 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
   batch whose tokens all come from the verify it follows;
 - chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
   cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
-  decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled.
+  decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
+- KV blocks (here with pools large enough never to run short; tests/test_runtime_paging.py runs the same driver
+  with small ones): every pool's bookkeeping is consistent (reference counts equal holders, no block lost), a
+  block is shared only as a cached prefix, the table changes sent with each task leave the worker's tables
+  equal to the scheduler's, and no block a task in flight writes is taken from its request before the task ends;
+  a preempted request had nothing in flight, and every request is admitted once more than it is preempted.
 """
 import ast
 import pathlib
+import random
 import subprocess
 import sys
 from collections import deque
@@ -26,11 +32,13 @@ from hypothesis import strategies as st
 from minedraft_ray.engine.engine import commit_tokens
 from minedraft_ray.engine.request import Request
 from minedraft_ray.engine.sampling import SamplingParams
-from minedraft_ray.runtime.scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
-                                             Status, VerifyPlan)
+from minedraft_ray.engine.kv_cache import HEADROOM, NULL_BLOCK
+from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState, Scheduler,
+                                             SchedulerConfig, Status, VerifyPlan)
 
 EOS = 1
 K = 3
+MAX_LEN = 40            # longest arrival: a 20-token prompt and 16 tokens
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -43,8 +51,18 @@ class Driver:
         self.inflight: deque = deque()
         self.finished: dict[str, int] = {}
         self.states: list[RequestState] = []
-        self.prefilled: dict[int, int] = {}   # id(state) -> prompt tokens its completed prefill tasks put in KV
-        self.planned: dict[int, int] = {}     # id(state) -> prompt tokens its submitted prefill tasks cover
+        # id(state) -> tokens of this residency's prefill that its completed / submitted prefill tasks cover
+        # (from its cached prefix on)
+        self.prefilled: dict[int, int] = {}
+        self.planned: dict[int, int] = {}
+        # the workers' block tables, as the table changes sent with their tasks leave them
+        self.tables = {role: [[NULL_BLOCK] * pool.blocks_per_slot for _ in range(sched.config.num_slots)]
+                       for role, pool in sched.kv.items()}
+        self.writes: dict[int, list] = {}     # id(task) -> [(slot, blocks it writes)] while in flight
+        self.admissions: dict[int, int] = {}  # id(state) -> times admitted
+        self.admitted_at: dict[int, int] = {}
+        self.preemptions = 0
+        self.plans: list[tuple] = []          # every schedule call's plan, by arrival numbers (plan_shape)
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -72,6 +90,9 @@ class Driver:
     def drafter_back(self) -> None:
         if not self.sched.drafter_alive and self.sched.mode in ("psd", "sd_split"):
             self.sched.drafter_up()
+            # a new drafter: its tables are all null
+            pool = self.sched.kv[KVRole.DRAFT]
+            self.tables[KVRole.DRAFT] = [[NULL_BLOCK] * pool.blocks_per_slot for _ in range(len(pool.held))]
 
     def complete(self, emit) -> None:
         """The oldest task's result: emit(num_drafts) tokens per row (1 without drafts, 1..k+1 with)."""
@@ -80,18 +101,21 @@ class Driver:
                 self.schedule(None)
             return
         task = self.inflight.popleft()
+        check_writes_kept(self, task)
         if isinstance(task, PrefillPlan):
             self.sched.commit_prefill(task)
             for c in task.chunks:   # the verifier runs its tasks in order: this one continues the chunks before
-                assert self.prefilled.get(id(c.state), 0) == c.start, f"{c.state.id}: a chunk out of order"
+                assert self.prefilled.get(id(c.state), c.state.cached_tokens) == c.start, \
+                    f"{c.state.id}: a chunk out of order"
                 self.prefilled[id(c.state)] = c.stop
-                if not c.last:
+                if not c.last or c.state.resumed:
                     self.sched.release(c.state)
-            rows = [c.state for c in task.chunks if c.last]
+            # a resumed request's prefill samples nothing: it has its tokens
+            rows = [c.state for c in task.chunks if c.last and not c.state.resumed]
             num_drafts = [0] * len(rows)
         else:
-            for s in task.rows:   # the verify runs now: every rider's prompt is in the KV
-                assert self.prefilled.get(id(s), 0) == len(s.request.prompt_ids), \
+            for s in task.rows:   # the verify runs now: every rider's prefill is in the KV
+                assert self.prefilled.get(id(s), s.cached_tokens) == s.prefill_len, \
                     f"{s.id} verified before its prefill completed"
             self.sched.commit_verify(task)
             rows, num_drafts = task.rows, [K if i >= 0 else 0 for i in task.draft_index]
@@ -123,16 +147,78 @@ class Driver:
         plan = self.sched.schedule(committed)
         for state in plan.finished:
             self.finish(state, "abort")
+        for state in plan.preempted:   # no task of it was in flight; its next residency starts afresh
+            assert state.inflight == 0 and state.status is Status.WAITING and state.slot is None, state.id
+            self.planned.pop(id(state), None)
+            self.prefilled.pop(id(state), None)
+            self.preemptions += 1
+        for state in self.states:
+            if state.admitted_at != self.admitted_at.get(id(state), -1):
+                self.admitted_at[id(state)] = state.admitted_at
+                self.admissions[id(state)] = self.admissions.get(id(state), 0) + 1
         # requests that decode in this call's verifies without having been started by its prefills
         started = {id(c.state) for p in plan.prefills for c in p.chunks if c.last}
         decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
         check_prefills(self, plan.prefills, decoding)
-        self.inflight.extend(plan.prefills)
+        self.plans.append(self.plan_shape(plan))
+        # the manager's order: each prefill (the drafter's chunks behind it), then each verify with the round it
+        # takes first and the round drafted behind it after
+        for prefill in plan.prefills:
+            self.submit_to_verifier(prefill, [(c.state.slot, c.stop) for c in prefill.chunks])
+            if any(c.to_drafter for c in prefill.chunks):
+                self.submit_to_drafter([(c.state.slot, c.stop) for c in prefill.chunks if c.to_drafter])
         for verify in plan.verifies:
             check_round_consistency(self.sched, verify)
             check_prompts_planned(self, verify)
-            self.inflight.append(verify)
+            if verify.fresh is not None:
+                self.submit_to_drafter([(row.state.slot, None) for row in verify.fresh.rows])
+            self.submit_to_verifier(verify, [(s.slot, None) for s in verify.rows])
+            if verify.next_round is not None:
+                self.submit_to_drafter([(row.state.slot, None) for row in verify.next_round.rows])
         check_balance(self.sched)
+        check_blocks(self)
+
+    def _apply_edits(self, role: KVRole) -> None:
+        edits = self.sched.take_edits(role)
+        if edits is not None:
+            assert len(set(zip(edits.rows, edits.cols))) == len(edits), "a table entry changed twice in one task"
+            for row, col, block in zip(edits.rows, edits.cols, edits.ids):
+                self.tables[role][row][col] = block
+
+    def _check_tables(self, role: KVRole, rows: list) -> None:
+        """After the task's table changes, the worker's table of each row's slot is the scheduler's (its blocks, in
+        order, then null), and covers what the row's task writes (`stop`; None: the pool's reach for it)."""
+        pool = self.sched.kv[role]
+        for slot, stop in rows:
+            held = pool.held[slot]
+            assert self.tables[role][slot] == held + [NULL_BLOCK] * (pool.blocks_per_slot - len(held)), \
+                f"{role.value} table of slot {slot} differs from the scheduler's"
+            if stop is not None:
+                assert pool.covers(slot, stop), f"{role.value} slot {slot}: no blocks for positions below {stop}"
+
+    def submit_to_verifier(self, task, rows: list) -> None:
+        roles = [KVRole.TARGET] + ([KVRole.DRAFT] if self.sched.mode == "sd" else [])
+        for role in roles:
+            self._apply_edits(role)
+            self._check_tables(role, rows)
+        self.writes[id(task)] = [(slot, list(self.sched.kv[KVRole.TARGET].held[slot])) for slot, _ in rows]
+        self.inflight.append(task)
+
+    def submit_to_drafter(self, rows: list) -> None:
+        if KVRole.DRAFT in self.sched.kv:
+            self._apply_edits(KVRole.DRAFT)
+            self._check_tables(KVRole.DRAFT, rows)
+
+    def plan_shape(self, plan) -> tuple:
+        """A plan as requests' arrival numbers: its prefill tasks' chunks, its verifies' rows and rounds."""
+        number = {id(s): i for i, s in enumerate(self.states)}
+
+        def rows(round_):
+            return None if round_ is None else [(number[id(r.state)], r.verify_row, r.all_but_two) for r in round_.rows]
+        prefills = [[(number[id(c.state)], c.start, c.stop, c.to_drafter) for c in p.chunks] for p in plan.prefills]
+        verifies = [(v.batch, v.regime, [number[id(s)] for s in v.rows], v.draft_index, rows(v.ahead), rows(v.fresh),
+                     rows(v.next_round)) for v in plan.verifies]
+        return [number[id(s)] for s in plan.finished], prefills, verifies
 
     def finish(self, state: RequestState, reason) -> None:
         if reason and not state.request.finished:
@@ -212,7 +298,7 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
                 # a request's period spans both batches' verifies: half the budget each
                 assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
         for c in prefill.chunks:
-            assert driver.planned.get(id(c.state), 0) == c.start, f"{c.state.id}: chunk gap or overlap"
+            assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, f"{c.state.id}: chunk gap or overlap"
             driver.planned[id(c.state)] = c.stop
         if i < len(prefills) - 1:
             assert not decoding and not any(c.last for c in prefill.chunks), "two prefills rode one step"
@@ -221,15 +307,56 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
 def check_prompts_planned(driver: Driver, verify: VerifyPlan) -> None:
     """A verify (and the rounds it takes and is followed by) holds only requests whose every prompt chunk is
     submitted ahead of it."""
-    rounds: list[DraftPlan] = [r for r in (verify.ahead, verify.fresh, verify.next_round) if r is not None]
+    # (the round drafted ahead may hold rows no longer wanted, e.g. of a request preempted since: only the riders'
+    # rows of it are used, and the riders are checked)
+    rounds: list[DraftPlan] = [r for r in (verify.fresh, verify.next_round) if r is not None]
     for s in verify.rows + [row.state for r in rounds for row in r.rows]:
-        assert driver.planned.get(id(s), 0) == len(s.request.prompt_ids), f"{s.id} rides before its prompt"
+        assert driver.planned.get(id(s), s.cached_tokens) == s.prefill_len, f"{s.id} rides before its prefill"
+
+
+def check_writes_kept(driver: Driver, task) -> None:
+    """The target blocks a verifier task wrote were still its requests' when it ended (none freed or moved to
+    another request while it was in flight)."""
+    for slot, blocks in driver.writes.pop(id(task)):
+        held = driver.sched.kv[KVRole.TARGET].held[slot]
+        assert held[:len(blocks)] == blocks, f"slot {slot} lost blocks while a task writing them was in flight"
+
+
+def check_blocks(driver: Driver) -> None:
+    """Every pool's bookkeeping is consistent, and a block held by two slots is a cached prefix block; each
+    running request holds blocks, a waiting or finished idle one none."""
+    sched = driver.sched
+    for pool in sched.kv.values():
+        pool.check_blocks()
+        shared = {b for b in range(1, pool.num_blocks) if pool.pool.refcount[b] > 1}
+        assert shared <= set(pool.block_key), f"blocks held by two requests, not cached: {shared - set(pool.block_key)}"
+    for s in driver.states:
+        if s.status is Status.WAITING:
+            assert s.slot is None and id(s) not in {id(x) for b in sched.batches for x in b}, s.id
+        if s.status is Status.RUNNING:
+            assert len(sched.kv[KVRole.TARGET].held[s.slot]) > 0, f"{s.id} runs without blocks"
+
+
+def check_drained_blocks(driver: Driver) -> None:
+    """Nothing runs: every block is free or an idle cached one, and every request was admitted once more than
+    it was preempted (once less when it was aborted while queued after a preemption)."""
+    for pool in driver.sched.kv.values():
+        pool.check_blocks()
+        assert pool.num_available == pool.num_blocks - 1 and not any(pool.held), "blocks leaked"
+    for s in driver.states:
+        admitted = driver.admissions.get(id(s), 0)
+        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.num_preemptions) else 1
+        assert admitted == s.request.num_preemptions + resumes_owed, \
+            (s.id, admitted, s.request.num_preemptions, s.aborted)
+    assert driver.preemptions == driver.sched.counters["preemptions"] == \
+        sum(s.request.num_preemptions for s in driver.states)
 
 
 def check_all(driver: Driver) -> None:
     check_one_verify_per_request(driver)
     check_slots(driver)
     check_balance(driver.sched)
+    check_blocks(driver)
 
 
 # ---- the property --------------------------------------------------------------------------------------
@@ -253,19 +380,22 @@ def tokens(num_drafts: int):
         lambda n: st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=n, max_size=n))
 
 
-def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None) -> Scheduler:
+def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None,
+                   num_blocks: int | None = None, block_size: int = 4, prefix_caching: bool = False) -> Scheduler:
+    """num_blocks: blocks per model (None: enough that no pool runs short)."""
     max_running = 2 * max_batch if mode == "psd" else max_batch
     sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd",
-                                      budget))
+                                      budget, k=K, prefix_caching=prefix_caching))
     sched.drafter_alive = mode in ("psd", "sd_split")
+    per_slot = -(-(MAX_LEN + HEADROOM) // block_size)
+    spec = KVPoolSpec(num_blocks or max_running * per_slot + 1, block_size, per_slot)
+    sched.attach_kv(spec, None if mode == "ar" else spec, MAX_LEN)
     return sched
 
 
-def run_events(mode, max_batch, min_requests, events, data, budget=None):
-    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget))
-
-    def emit(num_drafts):
-        return data.draw(tokens(num_drafts))
+def run_events(mode, max_batch, min_requests, events, emit, budget=None, **pools) -> Driver:
+    """Play the events, then drain; emit(num_drafts) -> a verify row's tokens."""
+    driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools))
     for event in events:
         kind, *args = event
         if kind == "arrive":
@@ -294,20 +424,48 @@ def run_events(mode, max_batch, min_requests, events, data, budget=None):
     assert set(driver.finished) == {s.id for s in driver.states}
     assert driver.sched.slots.num_used == 0
     assert not driver.inflight and driver.sched.queued == [0, 0]
+    check_drained_blocks(driver)
+    return driver
+
+
+def drawn(data):
+    """emit from hypothesis' draws."""
+    return lambda num_drafts: data.draw(tokens(num_drafts))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
 def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, events, data):
-    run_events("psd", max_batch, min_requests, events, data, budget)
+    run_events("psd", max_batch, min_requests, events, drawn(data), budget)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS,
        events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
 def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
-    run_events(mode, max_batch, 2, events, data, budget)
+    run_events(mode, max_batch, 2, events, drawn(data), budget)
+
+
+def seeded(seed: int):
+    """emit from a seeded generator: two runs that emit alike get the same tokens."""
+    rng = random.Random(seed)
+    return lambda num_drafts: [rng.choice([EOS, 7, 8, 9]) for _ in range(rng.randint(1, num_drafts + 1))]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
+       events=st.lists(EVENTS, min_size=10, max_size=100), seed=st.integers(0, 2 ** 16))
+def test_a_budget_the_prompts_fit_plans_what_whole_prompts_plan(mode, max_batch, events, seed):
+    """Chunking costs nothing where it cuts nothing: with a budget that every prompt waiting at once fits (psd's
+    split halves it), each schedule call plans the very prefill tasks, chunks, verifies and rounds that the
+    unchunked scheduler plans, no task more and no prompt later."""
+    fits = 2 * sum(e[1] for e in events if e[0] == "arrive") + 2
+    whole = run_events(mode, max_batch, 2, events, seeded(seed))
+    chunked = run_events(mode, max_batch, 2, events, seeded(seed), budget=fits)
+    assert len(chunked.plans) == len(whole.plans)
+    for call, (c, w) in enumerate(zip(chunked.plans, whole.plans)):
+        assert c == w, f"schedule call {call}: chunked {c} != whole {w}"
 
 
 def test_psd_splits_and_rebalances_a_burst():

@@ -94,7 +94,9 @@ def sse_events(response) -> list:
 # ---------------------------------------------------------------- basics
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == MAX_LEN == info(server)["max_len"]   # the engine's context limit
     health = api.get(server + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok"
 

@@ -1,12 +1,16 @@
 """Tensor parallelism in the engine layer (engine/parallel.py): ranks as threads of this process over gloo groups,
 each loading only its shard of a real-format (HF safetensors) checkpoint."""
+import gc
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import ray
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.loader import load_model
@@ -15,17 +19,22 @@ from minedraft_ray.engine.runner import ModelRunner
 from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams
 from minedraft_ray.engine.spec import Verifier
 from minedraft_ray.runtime import LLM
+from minedraft_ray.runtime.rendezvous import GcsStore, Rendezvous, fresh_prefix
+from minedraft_ray.testing.workers import DrafterFaults, faulty_drafter
 from minedraft_ray.testing.tiny import make_tiny_model
 
 
-def run_ranks(world: int, fn, timeout_s: float = 60.0) -> list:
-    """fn(tp) on `world` ranks (threads) of one tensor-parallel group -> each rank's result."""
-    store = dist.HashStore()
+def run_ranks(world: int, fn, timeout_s: float = 60.0, store_of=None) -> list:
+    """fn(tp) on `world` ranks (threads) of one tensor-parallel group -> each rank's result. store_of(rank): the
+    store that rank meets the others through (default: one in-process store)."""
+    shared = dist.HashStore()
+    store_of = store_of or (lambda rank: shared)
     results, errors = [None] * world, []
 
     def rank_main(rank):
         try:
-            tp = TensorParallel.connect(store, rank, world, torch.device("cpu"), "127.0.0.1", timeout_s=timeout_s)
+            tp = TensorParallel.connect(store_of(rank), rank, world, torch.device("cpu"), "127.0.0.1",
+                                        timeout_s=timeout_s)
             results[rank] = fn(tp)
         except Exception as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
@@ -219,15 +228,24 @@ def reference(tiny_llama):
 
 
 def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """sd: the drafter beside rank 0, in its actor and on its GPU."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1)
+    """sd: the drafter beside rank 0, in its actor and on its GPU. A KV pool of 18 blocks of 4 forces
+    preemptions: rank 1 applies every block-table change the scheduler sends rank 0."""
+    from ray.experimental import internal_kv
+    from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
+
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1, block_size=4,
+              num_kv_blocks=18)
     try:
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        info = llm.worker_info
+        info, preemptions = llm.worker_info, llm.info()["preemptions"]
+        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
+        assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
+    assert preemptions > 0
 
 
 def _actors(llm):
@@ -277,17 +295,13 @@ def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tin
 
 @pytest.fixture(scope="module")
 def psd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
-    # the split forced at every load, so greedy output is checked through psd's own schedule
+    # the split forced at every load, so greedy output is checked through psd's own schedule; the collective
+    # channel (the default on GPUs) links the drafter to rank 0, beside the ranks' own groups; a drafter that
+    # takes faults (none until a test sets them on it)
     llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=16, tp=2, torch_threads=1,
-              psd_low_load="psd", psd_high_load="psd")
+              psd_low_load="psd", psd_high_load="psd", transport="collective", _workers=faulty_drafter())
     yield llm
     llm.shutdown()
-
-
-
-
-
-
 
 
 def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
@@ -311,3 +325,163 @@ def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
     outs = psd_tp2.generate([prompt] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=s, **params)
                                            for s in range(n)])
     assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))
+
+
+def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
+    """The ranks meet in Ray's GCS (runtime/rendezvous.py), which only the cluster's authenticated processes reach:
+    no process of the engine listens for the rendezvous. The manager, which starts the ranks, listens on nothing
+    but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device), and
+    rank 0 (the verifier) and the drafter for the link between them."""
+    from runtime_common import listeners_beside_ray
+    found = listeners_beside_ray(psd_tp2)
+    assert found["manager"] == [], found
+    assert (len(found["verifier"]), len(found["rank 1"]), len(found["drafter"])) == (3, 2, 1), found
+
+
+def test_every_rank_holds_the_same_kv_blocks(psd_tp2):
+    """Every rank sizes its pool as the least of all ranks (runtime/workers.py `_pool_blocks`) and applies the
+    scheduler's table changes: the same blocks and block tables on every rank, each of its own half of the KV
+    heads."""
+    def caches(self):
+        def layout(runner):
+            c, cfg = runner.cache, runner.model.cfg
+            return {"blocks": c.num_blocks, "tables": c.block_tables.tolist(),
+                    "kv_heads": (c.k[0].shape[2], cfg.num_kv_heads)}
+        m = self.manager
+        return [ray.get(m.verifier.__ray_call__.remote(lambda w: layout(w.verifier.runner)))] + [
+            ray.get(rank.__ray_call__.remote(lambda w: layout(w.runner))) for rank in m.actors.ranks]
+
+    rank0, rank1 = ray.get(psd_tp2.manager.__ray_call__.remote(caches))
+    assert rank0 == rank1
+    assert rank0["kv_heads"][0] * 2 == rank0["kv_heads"][1]
+
+
+def _pids(llm) -> list[int]:
+    """The processes of the target's ranks."""
+    return [info["pid"] for info in [llm.worker_info["verifier"], *llm.worker_info["ranks"]]]
+
+
+def test_drafter_killed_mid_run_at_tp2(psd_tp2, reference):
+    """psd at tp 2: the drafter killed while it drafts a round (its rounds slowed, so the kill lands inside one)
+    fails no request and the output stays ar's; the engine serves ar meanwhile and restarts the drafter, linked
+    to rank 0 again, while the target's ranks and their groups stay as they are."""
+    manager, pids = psd_tp2.manager, _pids(psd_tp2)
+    drafter = ray.get(manager.__ray_call__.remote(lambda self: self.manager.drafter))
+    ray.get(drafter.__ray_call__.remote(lambda w: setattr(w.drafter, "faults", DrafterFaults(delay_s=0.2))))
+    before = psd_tp2.info()
+    ref = manager.generate_batch.remote([psd_tp2._encode(p) for p in PROMPTS], [greedy(n) for n in LENGTHS])
+    deadline = time.time() + 60
+    while psd_tp2.info()["steps"] < before["steps"] + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert ray.get(manager.kill_drafter.remote())
+    outs = ray.get(ref, timeout=120)
+    assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
+    deadline = time.time() + 60
+    while not (info := psd_tp2.info())["drafter_alive"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert info["drafter_failures"] > before["drafter_failures"]
+    assert info["draft_rounds_failed"] > before["draft_rounds_failed"]   # a verify ran without its dead round
+    assert info["drafter_restarts"] > before["drafter_restarts"]
+    outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])   # speculating again, at full speed
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.stats["accepted"] for o in outs) > 0
+    assert ray.get(manager.__ray_call__.remote(lambda self: [ray.get(a.ready.remote())["pid"] for a in (
+        self.manager.verifier, *self.manager.actors.ranks)])) == pids
+
+
+def test_reconfigure_at_tp2(psd_tp2, reference):
+    """k and the prefill chunk changed in place at tp 2 (rank 0's verify width, and the chunks every rank
+    extends its KV by): the same rank processes, output still ar's, drafts of the new k."""
+    from test_chunked_prefill import reconfigure_when_idle
+    pids, k0, chunk0 = _pids(psd_tp2), psd_tp2.info()["k"], psd_tp2.info()["prefill_chunk_tokens"]
+    try:
+        for k, chunk in ((1, 3), (4, 0)):
+            reconfigure_when_idle(psd_tp2, k=k, prefill_chunk_tokens=chunk)
+            outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (k, chunk)
+            assert max(len(o.stats["drafted_per_position"]) for o in outs) == k
+        assert ray.get(psd_tp2.manager.__ray_call__.remote(
+            lambda self: [ray.get(a.ready.remote())["pid"] for a in (self.manager.verifier,
+                                                                    *self.manager.actors.ranks)])) == pids
+    finally:
+        reconfigure_when_idle(psd_tp2, k=k0, prefill_chunk_tokens=chunk0 or 0)
+
+
+# ---- the rendezvous: a torch.distributed store in Ray's GCS (runtime/rendezvous.py) ---------------------------
+KEYS = st.sampled_from(["a", "b", "c/d"])
+VALUES = st.sampled_from([b"0", b"7", b"12"])
+STORE_OPS = st.one_of(
+    st.tuples(st.just("set"), KEYS, VALUES), st.tuples(st.just("get"), KEYS),
+    st.tuples(st.just("add"), KEYS, st.integers(-3, 3)),
+    st.tuples(st.just("compare_set"), KEYS, st.sampled_from([b""]) | VALUES, VALUES),
+    st.tuples(st.just("delete_key"), KEYS), st.tuples(st.just("check"), st.lists(KEYS, min_size=1, max_size=2)),
+    st.tuples(st.just("num_keys")))
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=st.lists(STORE_OPS, max_size=12))
+def test_gcs_store_answers_as_torchs_own_store(ray_cluster, ops):
+    """Every call, through the C++ PrefixStore that gloo and NCCL wrap it in, answers as torch's in-process
+    HashStore does (values, counters, compare-and-set, deletion, key counts)."""
+    gcs = GcsStore(fresh_prefix("test"), 5.0)
+    store, reference = dist.PrefixStore("g", gcs), dist.PrefixStore("g", dist.HashStore())
+    try:
+        for op, *args in ops:
+            if op == "get" and not reference.check([args[0]]):
+                continue   # both would wait for the key
+            assert getattr(store, op)(*args) == getattr(reference, op)(*args), (op, args)
+    finally:
+        gcs.clear()
+
+
+class _Overtaken(GcsStore):
+    """A member whose next update a rival overtakes: the rival writes the key between this member's read of it
+    and its own write, the race every update of the store must survive."""
+
+    def __init__(self, prefix: str, rival_move):
+        super().__init__(prefix, 5.0)
+        self.rival, self.rival_move = GcsStore(prefix, 5.0), rival_move
+
+    def _create(self, name: str, value: bytes) -> bool:
+        if self.rival_move is not None:
+            move, self.rival_move = self.rival_move, None
+            move(self.rival)
+        return super()._create(name, value)
+
+
+def test_gcs_store_updates_survive_a_race_and_waits_end(ray_cluster):
+    """An add overtaken by a rival's add counts on from it (no update lost); a compare-and-set of an absent key
+    overtaken by a rival's loses and answers the rival's value; a set overtaken by a delete still sets. A wait
+    ends at its timeout, a get at the store's."""
+    prefix = fresh_prefix("test")
+    try:
+        assert _Overtaken(prefix, lambda rival: rival.add("count", 5)).add("count", 1) == 6
+        assert _Overtaken(prefix, lambda rival: rival.compare_set("leader", b"", b"rival")).compare_set(
+            "leader", b"", b"me") == b"rival"
+        _Overtaken(prefix, lambda rival: rival.delete_key("count")).set("count", b"9")
+        store = GcsStore(prefix, 0.5)
+        assert (store.get("count"), store.get("leader")) == (b"9", b"rival")
+        t0 = time.perf_counter()
+        with pytest.raises(Exception, match="absent"):
+            store.wait(["absent"], timedelta(seconds=0.1))
+        with pytest.raises(Exception, match="absent"):
+            store.get("absent")
+        assert time.perf_counter() - t0 < 3.0
+    finally:
+        GcsStore(prefix, 1.0).clear()
+
+
+def test_ranks_meet_through_the_gcs_and_keep_their_store(ray_cluster):
+    """Two ranks, each with its own store of one Rendezvous, build both groups; each keeps its store, which NCCL
+    calls again after its group is built (its unique id at the first collective, its watchdog's flags): a store
+    written in Python answers only while Python holds it."""
+    rendezvous = Rendezvous.fresh("test", 30.0)
+
+    def rank(tp):
+        gc.collect()
+        return int(tp.all_reduce(torch.ones(1))), dist.PrefixStore("device", tp.store).check(["0/0"])
+
+    try:
+        assert run_ranks(2, rank, store_of=lambda r: rendezvous.join()) == [(2, True), (2, True)]
+    finally:
+        rendezvous.close()

@@ -13,6 +13,11 @@ Block 0 is never handed out (`NULL_BLOCK`): unmapped table entries point at it, 
 (on the scratch slot, whose table is all null) and padding tokens past a row's reservation write there and
 never into a block someone owns. Nothing real reads it: a request reads only positions it has reserved.
 
+The bookkeeping (`BlockManager`: free list, reference counts, each slot's blocks, the prefix cache) needs no
+device: the in-process engine's `KVCache` is one and writes its table at once; the runtime's scheduler keeps one
+per model in the manager's process and sends its table changes (`TableEdits`) to the workers, whose caches apply
+them (`map_blocks`) in task order.
+
 `static=True` reserves every slot's full `max_len + HEADROOM` up front: the memory and layout of the former
 contiguous cache, for callers that do not manage blocks (and as the comparison in benchmarks).
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -96,45 +102,51 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return 2 * num_layers * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-class KVCache:
-    """K/V for `num_slots` sequences of up to `max_len` tokens each, in `num_blocks` blocks of `block_size`.
+@dataclass(frozen=True)
+class TableEdits:
+    """Block-table entries to set, `table[rows[i], cols[i]] = ids[i]` (each entry at most once): the changes a
+    block manager made, shipped to the device that holds the table (the runtime's scheduler decides the blocks,
+    its workers hold the tables)."""
+    rows: list[int]
+    cols: list[int]
+    ids: list[int]
 
-    k[l], v[l]: [num_blocks, block_size, Hkv, D]; block_tables: [S, W] int64 with W = blocks per slot at
-    max_len + HEADROOM; lengths: [S] int64 (tokens valid per slot).
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class BlockManager:
+    """Host bookkeeping of a pool of KV blocks for `num_slots` block tables of `blocks_per_slot` entries: which
+    blocks each slot holds (in table order), the free list and reference counts, and the prefix cache. Every
+    table change goes through `_map` (rows, cols, ids); here it does nothing, `KVCache` writes its device table,
+    and the runtime's scheduler queues it for the worker that holds the table, so both use this one bookkeeping.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, block_size: int = DEFAULT_BLOCK_SIZE,
-                 num_blocks: int | None = None, static: bool = False, prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, num_slots: int, blocks_per_slot: int,
+                 prefix_caching: bool = False):
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {block_size}")
-        self.num_slots, self.max_len, self.block_size = num_slots, max_len, block_size
-        self.device = torch.device(device)
-        self.blocks_per_slot = math.ceil((max_len + HEADROOM) / block_size)
-        if num_blocks is None or static:
-            num_blocks = num_slots * self.blocks_per_slot + 1
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self.block_tables = torch.full((num_slots, self.blocks_per_slot), NULL_BLOCK, dtype=torch.int64,
-                                       device=device)
+        self.block_size, self.num_slots, self.blocks_per_slot = block_size, num_slots, blocks_per_slot
         self.pool = BlockPool(num_blocks)
         self.held: list[list[int]] = [[] for _ in range(num_slots)]  # blocks of each slot, in table order
-        self.static = static
-        self.prefix_caching = prefix_caching and not static
+        self.prefix_caching = prefix_caching
         self.cached: dict[bytes, int] = {}             # prefix key -> block holding that prefix's last block
         self.block_key: dict[int, bytes] = {}          # block -> its key, for blocks in `cached`
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, least recently used first
         self.slot_keys: list[list[bytes]] = [[] for _ in range(num_slots)]  # keys of each slot's leading blocks
         self.hit_tokens = self.query_tokens = 0        # prefix-cache counters (tokens matched / looked up)
-        if static:
-            for slot in range(num_slots):
-                self.reserve(slot, self.blocks_per_slot * block_size)
+
+    def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
+        """Table entries changed: table[rows[i], cols[i]] = ids[i] (a subclass writes or queues them)."""
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds (the null block is never handed out)."""
+        return (self.pool.num_blocks - 1) * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return min(math.ceil(num_tokens / self.block_size), self.blocks_per_slot)
@@ -143,10 +155,19 @@ class KVCache:
         """Blocks `reserve(slot, num_tokens)` would take from the pool."""
         return max(0, self.blocks_for(num_tokens) - len(self.held[slot]))
 
+    def covers(self, slot: int, num_tokens: int) -> bool:
+        """Positions [0, num_tokens) of `slot` are mapped (capped at the slot's table)."""
+        return self.blocks_missing(slot, num_tokens) == 0
+
     @property
     def num_available(self) -> int:
         """Blocks a reservation can take: free ones and idle cached ones (evicted on demand)."""
         return self.pool.num_free + len(self.idle)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks some slot holds (a block shared by several slots counts once)."""
+        return self.pool.num_blocks - 1 - self.num_available
 
     def _take(self, n: int) -> list[int]:
         """n blocks from the free list, evicting idle cached blocks (least recently used first) when it runs dry."""
@@ -162,7 +183,7 @@ class KVCache:
         self.reserve_many([slot], [num_tokens])
 
     def reserve_many(self, slots: list[int], num_tokens: list[int]) -> None:
-        """`reserve` for several slots, all or nothing, with one table copy to the device."""
+        """`reserve` for several slots, all or nothing, with one table change."""
         missing = [self.blocks_missing(s, n) for s, n in zip(slots, num_tokens)]
         if sum(missing) > self.num_available:
             raise BlocksExhaustedError(f"{sum(missing)} KV blocks wanted, {self.num_available} available")
@@ -176,14 +197,11 @@ class KVCache:
                 cols += range(start, start + n)
                 ids += new
         if ids:
-            self._write_table(rows, cols, ids)
+            self._map(rows, cols, ids)
 
     def release(self, slot: int) -> list[int]:
-        """Give every block of `slot` back (its length goes to 0); returns the blocks that became unreferenced
-        (already back in the pool)."""
-        if self.static:
-            self.lengths[slot] = 0
-            return []
+        """Give every block of `slot` back; returns the blocks that became unreferenced (already back in the
+        pool; cached ones idle instead)."""
         freed = []
         # the slot's last blocks first: when the pool runs short, a prefix's tail is evicted before its head
         for b in reversed(self.held[slot]):
@@ -197,7 +215,7 @@ class KVCache:
         self.held[slot] = []
         self.slot_keys[slot] = []
         if count:
-            self._write_table([slot] * count, list(range(count)), [NULL_BLOCK] * count)
+            self._map([slot] * count, list(range(count)), [NULL_BLOCK] * count)
         return freed
 
     # ---- prefix caching -------------------------------------------------------------------------
@@ -205,9 +223,9 @@ class KVCache:
     def _key(previous: bytes, tokens) -> bytes:
         return hashlib.sha256(previous + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
-    def match(self, tokens: list[int], max_tokens: int) -> list[int]:
-        """Cached blocks holding the longest run of full blocks `tokens` starts with, within its first
-        `max_tokens` tokens (counted in `hit_tokens` / `query_tokens`)."""
+    def lookup(self, tokens, max_tokens: int) -> list[int]:
+        """Cached blocks holding the longest run of full blocks `tokens` (a list, or anything sliced like one)
+        starts with, within its first `max_tokens` tokens; nothing counted."""
         blocks, key, bs = [], b"", self.block_size
         if self.prefix_caching:
             for i in range(min(max_tokens, len(tokens)) // bs):
@@ -216,8 +234,17 @@ class KVCache:
                 if block is None:
                     break
                 blocks.append(block)
-            self.query_tokens += max(max_tokens, 0)
-            self.hit_tokens += len(blocks) * bs
+        return blocks
+
+    def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        if self.prefix_caching:
+            self.query_tokens += max(query_tokens, 0)
+            self.hit_tokens += hit_tokens
+
+    def match(self, tokens, max_tokens: int) -> list[int]:
+        """`lookup`, counted in `hit_tokens` / `query_tokens`."""
+        blocks = self.lookup(tokens, max_tokens)
+        self.count_lookup(max_tokens, len(blocks) * self.block_size)
         return blocks
 
     def adopt(self, slot: int, blocks: list[int]) -> int:
@@ -230,12 +257,17 @@ class KVCache:
             self.idle.pop(b, None)
         self.held[slot] = list(blocks)
         self.slot_keys[slot] = [self.block_key[b] for b in blocks]
-        self._write_table([slot] * len(blocks), list(range(len(blocks))), blocks)
+        self._map([slot] * len(blocks), list(range(len(blocks))), blocks)
         return len(blocks) * self.block_size
 
-    def register(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+    def registered(self, slot: int) -> int:
+        """Tokens of `slot` offered to the prefix cache so far (whole blocks)."""
+        return len(self.slot_keys[slot]) * self.block_size
+
+    def register(self, slot: int, tokens, num_tokens: int) -> None:
         """The slot's K/V of `tokens[:num_tokens]` is final (never written again): cache its full blocks in that
-        range. A prefix already cached in another block keeps that one."""
+        range. A prefix already cached in another block keeps that one. `tokens`: a list, or anything sliced
+        like one (only the new blocks' tokens are read)."""
         if not self.prefix_caching:
             return
         keys, held, bs = self.slot_keys[slot], self.held[slot], self.block_size
@@ -245,19 +277,6 @@ class KVCache:
             if key not in self.cached and held[i] not in self.block_key:
                 self.cached[key] = held[i]
                 self.block_key[held[i]] = key
-
-    def _write_table(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
-        # advanced-index put: one small host-to-device copy of the changed entries
-        index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
-        values = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.block_tables.index_put_((index[0], index[1]), values)
-
-    def slot_kv(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [0, length) of `slot` in `layer`, gathered contiguous: ([length, Hkv, D], same)."""
-        n = math.ceil(length / self.block_size)
-        blocks = self.block_tables[slot, :n]
-        flat = (lambda t: t[blocks].flatten(0, 1)[:length])
-        return flat(self.k[layer]), flat(self.v[layer])
 
     def check_blocks(self) -> None:
         """Consistency of the host bookkeeping (tests): every block's reference count equals its holders (never
@@ -277,9 +296,62 @@ class KVCache:
         assert all(b in self.block_key for b in idle), "an idle block is not cached"
         assert set(self.block_key) == set(self.cached.values()), "cache index and block keys disagree"
 
-    @staticmethod
-    def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return (max_len + HEADROOM) * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+
+class KVCache(BlockManager):
+    """K/V for `num_slots` sequences of up to `max_len` tokens each, in `num_blocks` blocks of `block_size`.
+
+    k[l], v[l]: [num_blocks, block_size, Hkv, D]; block_tables: [S, W] int64 with W = blocks per slot at
+    max_len + HEADROOM; lengths: [S] int64 (tokens valid per slot). The block bookkeeping is the
+    BlockManager's; its table changes are written to `block_tables` at once. A cache whose blocks a manager
+    elsewhere hands out (the runtime's scheduler) leaves its own bookkeeping unused and takes the manager's
+    changes through `map_blocks`.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_blocks: int | None = None, static: bool = False, prefix_caching: bool = False):
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {block_size}")
+        self.max_len = max_len
+        self.device = torch.device(device)
+        blocks_per_slot = math.ceil((max_len + HEADROOM) / block_size)
+        if num_blocks is None or static:
+            num_blocks = num_slots * blocks_per_slot + 1
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((num_slots, blocks_per_slot), NULL_BLOCK, dtype=torch.int64, device=device)
+        super().__init__(num_blocks, block_size, num_slots, blocks_per_slot, prefix_caching and not static)
+        self.static = static
+        if static:
+            for slot in range(num_slots):
+                self.reserve(slot, self.blocks_per_slot * block_size)
+
+    def release(self, slot: int) -> list[int]:
+        """Give every block of `slot` back (its length goes to 0); returns the blocks that became unreferenced."""
+        if self.static:
+            self.lengths[slot] = 0
+            return []
+        return super().release(slot)
+
+    def map_blocks(self, edits: TableEdits) -> None:
+        """Set the table entries a block manager elsewhere decided (the runtime's scheduler)."""
+        if len(edits):
+            self._map(edits.rows, edits.cols, edits.ids)
+
+    def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
+        # advanced-index put: one small host-to-device copy of the changed entries
+        index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device, non_blocking=True)
+        values = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.block_tables.index_put_((index[0], index[1]), values)
+
+    def slot_kv(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of `slot` in `layer`, gathered contiguous: ([length, Hkv, D], same)."""
+        n = math.ceil(length / self.block_size)
+        blocks = self.block_tables[slot, :n]
+        flat = (lambda t: t[blocks].flatten(0, 1)[:length])
+        return flat(self.k[layer]), flat(self.v[layer])
 
 
 class SlotAllocator:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .kv_cache import BlocksExhaustedError
+from .kv_cache import BlocksExhaustedError, TableEdits
 from .runner import ModelRunner, to_device
 
 # how long a follower waits for the leader's next call: as long as the leader lives (see above)
@@ -44,6 +44,9 @@ class TensorParallel:
     world_size: int
     device_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
+    # the rendezvous store, held as long as the groups: NCCL calls it again (its unique id at the first collective,
+    # its watchdog's flags), and a store written in Python lives only while Python holds it
+    store: dist.Store
 
     @classmethod
     def connect(cls, store: dist.Store, rank: int, world_size: int, device: torch.device, host: str,
@@ -63,7 +66,7 @@ class TensorParallel:
             device_group = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), rank, world_size, options)
         else:
             device_group = gloo("device", timedelta(seconds=timeout_s))
-        return cls(rank, world_size, device_group, control)
+        return cls(rank, world_size, device_group, control, store)
 
     # ---- the model's collectives ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +128,7 @@ class Op(enum.IntEnum):
     RELEASE = 8
     ADOPT_PREFIX = 9
     REGISTER_PREFIX = 10
+    MAP_BLOCKS = 11      # table entries chosen by the runtime's scheduler
 
 
 _PACKED = {None: -1, False: 0, True: 1}   # a call's `packed` argument in a header
@@ -183,6 +187,12 @@ class ShardedRunner(ModelRunner):
             if send:
                 self.tp.broadcast_host(torch.tensor([slots, num_tokens], dtype=torch.int64).reshape(2, -1))
             super().reserve(slots, num_tokens)
+
+    def map_blocks(self, edits: TableEdits) -> None:
+        with self._call(Op.MAP_BLOCKS, len(edits)) as send:
+            if send:
+                self.tp.broadcast_host(torch.tensor([edits.rows, edits.cols, edits.ids], dtype=torch.int64))
+            super().map_blocks(edits)
 
     def release(self, slot: int) -> None:
         with self._call(Op.RELEASE, slot):
@@ -256,6 +266,9 @@ class ShardedRunner(ModelRunner):
                         ModelRunner.reserve(self, got[0], got[1])
                     except BlocksExhaustedError:   # the leader's pool ran out the same way: it preempts, we follow
                         pass
+                elif op is Op.MAP_BLOCKS:
+                    rows, cols, ids = tp.broadcast_host(torch.empty((3, args[0]), dtype=torch.int64)).tolist()
+                    ModelRunner.map_blocks(self, TableEdits(rows, cols, ids))
                 elif op is Op.RELEASE:
                     ModelRunner.release(self, args[0])
                 elif op in (Op.ADOPT_PREFIX, Op.REGISTER_PREFIX):

@@ -97,6 +97,18 @@ class Request:
         n = len(self.prompt_ids)
         return (self.prompt_ids[start:] if start < n else []) + self.output_ids[max(start - n, 0):]
 
+    def span(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without building the whole sequence."""
+        n = len(self.prompt_ids)
+        head = self.prompt_ids[start:min(stop, n)] if start < n else []
+        return head + self.output_ids[max(start - n, 0):max(stop - n, 0)]
+
+    @property
+    def tokens(self) -> "TokenView":
+        """Prompt + output as a read-only view that slices like a list (prefix-cache hashing reads a few blocks
+        of a long sequence)."""
+        return TokenView(self)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -121,3 +133,18 @@ class Request:
         if self.finished:
             self.stats.finished = now
         return kept
+
+
+class TokenView:
+    """A request's prompt + output, sliced like one list (`view[a:b]`) without building it."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+    def __len__(self) -> int:
+        return self.request.seq_len
+
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, step = index.indices(self.request.seq_len)
+        assert step == 1, "a token view slices contiguous runs only"
+        return self.request.span(start, stop)

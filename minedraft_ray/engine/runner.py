@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .attention import triton_op
-from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache, TableEdits
 from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -403,6 +403,10 @@ class ModelRunner:
         """Map positions [0, num_tokens[i]) of slots[i] to blocks before they are written (all or nothing;
         kv_cache.BlocksExhaustedError when the pool cannot)."""
         self.cache.reserve_many(slots, num_tokens)
+
+    def map_blocks(self, edits: TableEdits) -> None:
+        """Set block-table entries that a block manager elsewhere chose (the runtime's scheduler)."""
+        self.cache.map_blocks(edits)
 
     def release(self, slot: int) -> None:
         """The request on `slot` is done: its blocks go back to the pool (cached ones stay cached, idle)."""

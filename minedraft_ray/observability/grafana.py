@@ -176,6 +176,19 @@ def build_dashboard() -> Dashboard:
         .with_panel(_timeseries("Drafter alive", "short", [
             (f"min by (replica) (ray_minedraft_drafter_alive{{{SEL}}})", "{{replica}}")],
             "0 while the drafter restarts and the engine serves target-only"))
+
+        .with_row(Row("KV cache"))
+        .with_panel(_timeseries("KV cache usage", "percentunit", [
+            (f"max by (kv_cache) (ray_minedraft_kv_cache_usage{{{SEL}}})", "{{kv_cache}}")],
+            "KV blocks held by requests / blocks in the pool, per model (the fullest replica)"))
+        .with_panel(_timeseries("Prefix cache hit rate", "percentunit", [
+            (f"sum by (kv_cache) (rate(ray_minedraft_prefix_cache_hits_total{{{SEL}}}[{RATE}])) / "
+             f"sum by (kv_cache) (rate(ray_minedraft_prefix_cache_queries_total{{{SEL}}}[{RATE}]))",
+             "{{kv_cache}}")],
+            "tokens found cached / tokens looked up at admission, per model"))
+        .with_panel(_timeseries("Preemptions", "ops", [
+            (f"sum by (replica) (rate(ray_minedraft_preemptions_total{{{SEL}}}[{RATE}]))", "{{replica}}")],
+            "requests preempted per second when a KV pool ran short (recomputed when resumed)"))
     )
 
 

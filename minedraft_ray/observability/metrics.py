@@ -79,6 +79,13 @@ SERIES = {
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
     "ray_minedraft_num_slots": ("gauge", "KV slots per model"),
     "ray_minedraft_drafter_alive": ("gauge", "1 while the drafter serves, 0 during a restart (ar fallback)"),
+    # paged KV: per model (`kv_cache`: target | draft); hit rate = rate(hits) / rate(queries), as vLLM's
+    "ray_minedraft_kv_cache_usage": ("gauge", "KV blocks held by requests / blocks in the pool of model `kv_cache`"),
+    "ray_minedraft_prefix_cache_queries_total": (
+        "counter", "tokens looked up in the prefix cache of model `kv_cache` when requests are admitted"),
+    "ray_minedraft_prefix_cache_hits_total": ("counter", "of those, tokens found cached (mapped, not recomputed)"),
+    "ray_minedraft_preemptions_total": (
+        "counter", "requests preempted when a KV pool ran short (blocks freed, recomputed when resumed)"),
 }
 
 
@@ -183,11 +190,21 @@ class EngineMetrics:
         self.slots_in_use = gauge("minedraft_slots_in_use", d["ray_minedraft_slots_in_use"])
         self.num_slots = gauge("minedraft_num_slots", d["ray_minedraft_num_slots"])
         self.drafter_alive = gauge("minedraft_drafter_alive", d["ray_minedraft_drafter_alive"])
+        self.kv_cache_usage = gauge("minedraft_kv_cache_usage", d["ray_minedraft_kv_cache_usage"], ("kv_cache",))
+        self.prefix_queries = counter("minedraft_prefix_cache_queries", d["ray_minedraft_prefix_cache_queries_total"],
+                                      ("kv_cache",))
+        self.prefix_hits = counter("minedraft_prefix_cache_hits", d["ray_minedraft_prefix_cache_hits_total"],
+                                   ("kv_cache",))
+        self.preemptions = counter("minedraft_preemptions", d["ray_minedraft_preemptions_total"])
         # tag dicts are built once and cached: `_add` keys pending increments by their identity
         self._status_tags = {s: {"status": s} for s in ("finished", "aborted", "error")}
         self._regime_tags = {r: {"regime": r} for r in ("psd", "seq", "sd", "ar")}
-        self._batch_tags = ({"batch": "a"}, {"batch": "b"})
+        # a gauge's tags by the key `_set` takes: None, a batch (0, 1) or a KV pool's model
+        self._gauge_tags = {None: None, 0: {"batch": "a"}, 1: {"batch": "b"},
+                            "target": {"kv_cache": "target"}, "draft": {"kv_cache": "draft"}}
         self._pos_tags: list[dict] = []
+        self._kv_seen: dict[str, tuple[int, int]] = {}   # model -> (hit, query) tokens counted so far
+        self._preemptions_seen = 0
 
     def attach(self, manager) -> "EngineMetrics":
         """Register on a BatchManager (one `on_step` per engine step) and start the refresher. The manager is
@@ -198,6 +215,7 @@ class EngineMetrics:
         self._set(self.batch_size, 0, 0)
         self._set(self.batch_size, 0, 1)
         self._set(self.num_slots, manager.snapshot().num_slots)
+        self.on_kv(manager.snapshot())
         manager.step_listeners.append(self.on_step)
         self.start_refresher()
         return self
@@ -241,13 +259,14 @@ class EngineMetrics:
             else:
                 entry[2] += amount
 
-    def _set(self, gauge: Gauge, value: float, batch: int | None = None) -> None:
-        """Set a gauge when its value changed; the refresher re-reports unchanged ones."""
+    def _set(self, gauge: Gauge, value: float, batch: int | str | None = None) -> None:
+        """Set a gauge when its value changed; the refresher re-reports unchanged ones. batch: the series' key in
+        `_gauge_tags` (a batch, or a KV pool's model)."""
         key = (id(gauge), batch)
         entry = self._gauge_values.get(key)
         if entry is not None and entry[2] == value:
             return
-        tags = None if batch is None else self._batch_tags[batch]
+        tags = self._gauge_tags[batch]
         with self._lock:
             self._gauge_values[key] = (gauge, tags, value)
         gauge.set(value, tags)
@@ -290,6 +309,7 @@ class EngineMetrics:
             self._set(self.running, a + b)
             self._set(self.slots_in_use, snapshot.slots_in_use)
             self._set(self.drafter_alive, 1 if snapshot.drafter_alive else 0)
+            self.on_kv(snapshot)
         self._busy_ms += record.t_verify_ms
         self._wall_ms += record.step_ms
         # a window ends after window_s of steps, or when the engine runs dry (the end of a burst)
@@ -297,6 +317,20 @@ class EngineMetrics:
             self._set(self.busy, min(self._busy_ms / self._wall_ms, 1.0))
             self._busy_ms = self._wall_ms = 0.0
             self.flush()
+
+    def on_kv(self, snapshot) -> None:
+        """The KV pools' usage, and the prefix-cache and preemption counts since the last snapshot."""
+        for pool in snapshot.kv_pools:
+            self._set(self.kv_cache_usage, pool.blocks_in_use / pool.blocks if pool.blocks else 0.0, pool.model)
+            hits, queries = self._kv_seen.get(pool.model, (0, 0))
+            if pool.query_tokens < queries:   # a new pool (the drafter restarted) counts from 0
+                hits = queries = 0
+            tags = self._gauge_tags[pool.model]
+            self._add(self.prefix_hits, pool.hit_tokens - hits, tags)
+            self._add(self.prefix_queries, pool.query_tokens - queries, tags)
+            self._kv_seen[pool.model] = (pool.hit_tokens, pool.query_tokens)
+        self._add(self.preemptions, snapshot.preemptions - self._preemptions_seen)
+        self._preemptions_seen = snapshot.preemptions
 
     # ---- per emit / per request ----------------------------------------------------------------
     def on_tokens(self, n: int) -> None:

@@ -1,7 +1,7 @@
 """Starting, restarting and stopping an engine's worker actors (the verifier, and the drafter where it has its
 own GPU) in the engine's placement group, and the draft channel between them. A target at tensor-parallel size
-tp > 1 is the verifier (rank 0) plus tp - 1 TargetRank actors, which meet at a store this process hosts
-(runtime/rendezvous.py) and run as long as their group does (`follows`)."""
+tp > 1 is the verifier (rank 0) plus tp - 1 TargetRank actors, which meet in Ray's GCS (runtime/rendezvous.py:
+nothing listens for them) and run as long as their group does (`follows`)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
 from .placement import actor_options, create_placement_group
-from .rendezvous import host_store
+from .rendezvous import Rendezvous
 from .transport import DraftChannel
 from .workers import TargetRank, WorkerConfig, WorkerSet
 
@@ -42,7 +42,7 @@ class WorkerActors:
         self.verifier = self.drafter = None
         self.ranks: list = []     # the target's ranks 1..tp-1 (tp > 1)
         self.follows: list = []   # their follow() calls, which end only with the group
-        self._tp_store = None     # where the ranks met; kept as long as they run
+        self.tp_group: Rendezvous | None = None   # where the ranks met; their NCCL group uses it while it lives
         self.drafter_seq = 0     # drafter tasks numbered so far (next_drafter_seq)
         self.info: dict = {}
         self._verifier_cls, self._drafter_cls, self._spec_cls = channel.actor_classes(workers)
@@ -60,8 +60,8 @@ class WorkerActors:
         threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
         cls, role = (self._spec_cls, "spec") if self.mode == "sd" else (self._verifier_cls, "verifier")
         group = {}
-        if tp > 1:   # the bundles are on this node (STRICT_PACK), so the ranks reach the store at its IP
-            self._tp_store, group["tp_group"] = host_store(ray.util.get_node_ip_address(), "tp", START_TIMEOUT_S)
+        if tp > 1:
+            self.tp_group = group["tp_group"] = Rendezvous.fresh("tp", START_TIMEOUT_S)
         self.verifier = cls.options(**actor_options(self.pg, self.mode, role, tp), **threads).remote(
             self.worker_config, self.num_slots, **self.workers.verifier_kwargs, **group)
         waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
@@ -114,6 +114,7 @@ class WorkerActors:
         for actor in (self.verifier, self.drafter, *self.ranks):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        self._tp_store = None
+        if self.tp_group is not None:
+            self.tp_group.close()
         if self.own_pg:
             ray.util.remove_placement_group(self.pg)

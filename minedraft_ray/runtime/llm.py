@@ -131,7 +131,12 @@ class LLM:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=True),
         ).remote(config.model_dump(), _workers)
-        self.worker_info = ray.get(self.manager.start.remote())
+        try:
+            self.worker_info = ray.get(self.manager.start.remote())
+        except Exception:   # e.g. max_len does not fit the KV pools: nothing of this engine is left behind
+            ray.kill(self.manager, no_restart=True)
+            ray.util.remove_placement_group(self.pg)
+            raise
         from ..engine.loader import load_tokenizer
         from ..engine.presets import resolve_model
         self.tokenizer = load_tokenizer(resolve_model(config.target))

@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
 from ..engine.engine import commit_tokens, default_device, draft_rows
+from ..engine.kv_cache import CacheSizeError
 from ..engine.loader import load_tokenizer
 from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
@@ -35,12 +36,12 @@ from ..engine.request import Request
 from ..engine.sampling import SamplingParams
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
-from .scheduler import (DraftPlan, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
+from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
                         VerifyPlan)
 from .streams import OutputSink, StepOutput, _merged, coalesced
-from .telemetry import EngineSnapshot, RegimeSteps, StepRecord
+from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import DraftRound, PrefillRow, SamplingRow, WorkerSet
+from .workers import DraftRound, KVEdits, PrefillRow, SamplingRow, SlotResume, WorkerSet
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -67,6 +68,7 @@ class InFlight:
     tokens_to: object = None         # collective channel: the key its tokens go to the next draft round under
     drafts: list = field(default_factory=list)          # the rounds it names (refs or channel keys)
     draft_timings: list = field(default_factory=list)   # their device-time results
+    tables: KVEdits | None = None    # its block-table changes (sent again if it is resubmitted)
 
 
 def workers_on_gpu(config: EngineConfig) -> bool:
@@ -82,8 +84,11 @@ def overlap_by_default(config: EngineConfig) -> bool:
 
 
 def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig:
-    """The config with every `auto` and default that depends on the model or the device made concrete."""
-    if config.max_len > model_cfg.max_position_embeddings:
+    """The config with every `auto` and default that depends on the model or the device made concrete (max_len:
+    the model's context until the workers' KV pools bound it, `BatchManager.start`)."""
+    if config.max_len is None:
+        config = config.model_copy(update={"max_len": model_cfg.max_position_embeddings})
+    elif config.max_len > model_cfg.max_position_embeddings:
         # the model's own context limit wins over the (generic) default
         log.warning("max_len %d exceeds the target's context (%d); using %d", config.max_len,
                     model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
@@ -104,10 +109,11 @@ def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig
 
 
 def default_prefill_chunk(on_gpu: bool) -> int:
-    """prefill_chunk_tokens' default. On a GPU a chunk of 512 prompt tokens is a few times a decode step's
-    rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024).
-    On a CPU whole prompts (0): chunked runs of short prompts took longer there (docs/design.md)."""
-    return 512 if on_gpu else 0
+    """prefill_chunk_tokens' default: the same chunked path everywhere, the device picks the budget. On a GPU a
+    chunk of 512 prompt tokens is a few times a decode step's rows, enough for the GEMMs to run near full rate,
+    and graphed (the packed runner's buckets end at 1024). A CPU computes a chunk at its token count's cost, so
+    half that keeps a running request's extra wait near a couple of verify steps (docs/design.md)."""
+    return 512 if on_gpu else 256
 
 
 class BatchManager:
@@ -117,16 +123,18 @@ class BatchManager:
         self.tokenizer = load_tokenizer(target_dir)
         model_cfg = ModelConfig.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)
+        self.max_len_given = config.max_len is not None
         self.config = config = resolve_config(config, model_cfg)   # the one home of k and every setting
         self.mode = config.mode
-        self.max_len = config.max_len
+        self.max_len = config.max_len   # lowered to what the KV pools hold once the workers have sized them
         self.num_slots = config.num_slots or config.max_running
         if self.num_slots < config.max_running:
             raise ValueError(f"num_slots ({self.num_slots}) must hold the {config.max_running} requests mode "
                              f"{config.mode!r} keeps in flight")
         self.sched = Scheduler(SchedulerConfig(config.mode, config.max_batch, config.max_running, self.num_slots,
                                                config.psd_min_requests, config.psd_low_load,
-                                               config.psd_high_load, config.prefill_chunk_tokens or None))
+                                               config.psd_high_load, config.prefill_chunk_tokens or None,
+                                               k=config.k, prefix_caching=config.prefix_caching))
         self.sched.drafter_alive = False   # until the drafter is up (start)
         self.channel = make_channel(config.transport)
         self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group)
@@ -178,19 +186,52 @@ class BatchManager:
 
     def snapshot(self) -> EngineSnapshot:
         s = self.sched
+        pools = tuple(KVPoolStats(role.value, pool.num_blocks - 1, pool.num_in_use, pool.hit_tokens, pool.query_tokens)
+                      for role, pool in s.kv.items())
         return EngineSnapshot(self.k, len(s.waiting), s.num_running(), (len(s.batches[0]), len(s.batches[1])),
-                              s.slots.num_used, self.num_slots, s.drafter_alive)
+                              s.slots.num_used, self.num_slots, s.drafter_alive, pools, s.counters["preemptions"])
+
+    def kv_info(self) -> dict:
+        """The KV pools as the scheduler hands them out: blocks, blocks held by requests, prefix-cache hits."""
+        out = {"block_size": self.config.block_size, "prefix_caching": self.config.prefix_caching}
+        for role, pool in self.sched.kv.items():
+            out[role.value] = {"blocks": pool.num_blocks - 1, "blocks_in_use": pool.num_in_use,
+                               "blocks_cached_idle": len(pool.idle), "hit_tokens": pool.hit_tokens,
+                               "query_tokens": pool.query_tokens,
+                               "hit_rate": pool.hit_tokens / pool.query_tokens if pool.query_tokens else 0.0}
+        return out
 
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.actors.start()
         self.sched.drafter_alive = self.drafter is not None
+        try:
+            self._attach_kv()
+        except Exception:
+            await self.actors.shutdown()
+            raise
         loop = asyncio.get_running_loop()
         self._rank_watches = [loop.create_task(self._watch_rank(rank, ref))
                               for rank, ref in enumerate(self.actors.follows, start=1)]
         gc.collect()
         gc.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    def _attach_kv(self) -> None:
+        """The scheduler takes over the pools the workers sized; max_len, when not given, is lowered to what the
+        smaller pool holds for one request (a given one that does not fit is an error, as in the Engine)."""
+        pools = {**self.worker_info["verifier"]["kv_pools"],
+                 **((self.worker_info.get("drafter") or {}).get("kv_pools") or {})}
+        target = KVPoolSpec(**pools["target"])
+        draft = KVPoolSpec(**pools["draft"]) if "draft" in pools else None
+        holds = min(spec.holds for spec in (target, draft) if spec is not None)
+        if self.max_len > holds:
+            if self.max_len_given or holds < 16:
+                raise CacheSizeError(f"a request of max_len={self.max_len} needs {self.max_len} tokens of KV (and "
+                                     f"the verify's headroom), but the KV pool holds {max(holds, 0)}; lower max_len "
+                                     "or raise gpu_memory_utilization")
+            self.max_len = holds
+        self.sched.attach_kv(target, draft, self.max_len)
 
     async def shutdown(self) -> None:
         for watch in self._rank_watches:
@@ -308,18 +349,19 @@ class BatchManager:
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
+            self.sched.config.k = k   # what a step writes past a request's length
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
             self.sched.reset_choosers()
 
     def info(self) -> dict:
         s = self.sched
-        return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch,
+        return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
-                "steps": s.steps, **s.counters, **self.counters,
+                "steps": s.steps, **s.counters, **self.counters, "kv_cache": self.kv_info(),
                 "recent_steps": self.recent_steps(),
                 **({"low_load_regime": self._regime_info("low"), "high_load_regime": self._regime_info("high")}
                    if self.mode == "psd" else {})}
@@ -445,12 +487,13 @@ class BatchManager:
         self._record(task, record, result, t_arrived)
 
     def _commit_prefill(self, prefill: PrefillPlan, result) -> None:
-        """A prefill task's result: the chunks that end their prompts bring their requests' first tokens."""
+        """A prefill task's result: the chunks that end new requests' prompts bring their first tokens (a
+        resumed request's brings nothing: it has its tokens)."""
         self.sched.commit_prefill(prefill)
-        ends = [row for row, c in enumerate(prefill.chunks) if c.last]
+        ends = [row for row, c in enumerate(prefill.chunks) if c.last and not c.state.resumed]
         for c in prefill.chunks:
-            if not c.last:
-                self.sched.release(c.state)   # aborted mid-prompt: its slot is free once nothing writes it
+            if not c.last or c.state.resumed:
+                self.sched.release(c.state)   # aborted meanwhile: its slot is free once nothing writes it
         if ends:
             logprobs = [result.logprobs[row] for row in ends] if result.logprobs is not None else None
             self._commit([prefill.chunks[row].state for row in ends], [result.tokens[row] for row in ends],
@@ -466,7 +509,7 @@ class BatchManager:
         task.ref = self.channel.without_drafts(
             self.verifier, task.drafts, task.ref,
             lambda: self.verifier.verify.remote(verify.seq, [s.slot for s in verify.rows], None,
-                                                self._num_logprobs(verify.rows), None))
+                                                self._num_logprobs(verify.rows), None, tables=task.tables))
         self.sched.verify_failed_drafts(verify)
         self.counters["draft_rounds_failed"] += 1
 
@@ -540,16 +583,33 @@ class BatchManager:
         for verify in plan.verifies:
             self._submit_verify(verify)
 
+    def _verifier_tables(self) -> KVEdits:
+        """The block-table changes for the verifier's next task (in sd its actor holds the drafter too)."""
+        return KVEdits(self.sched.take_edits(KVRole.TARGET),
+                       self.sched.take_edits(KVRole.DRAFT) if self.mode == "sd" else None)
+
+    @staticmethod
+    def _prefill_row(c) -> PrefillRow:
+        r = c.state.request
+        if not c.last:
+            return PrefillRow(c.state.slot, c.start, c.tokens)
+        # a resumed request's prefill holds every token but its last: its slot state comes from its tokens
+        resume = SlotResume(r.span(r.seq_len - 2, r.seq_len - 1)[0], r.last_token, len(r.output_ids)) \
+            if c.state.resumed else None
+        return PrefillRow(c.state.slot, c.start, c.tokens, SamplingRow.of(r), resume)
+
     def _submit_prefill(self, prefill: PrefillPlan) -> None:
-        rows = [PrefillRow(c.state.slot, c.start, c.tokens, SamplingRow.of(c.state.request) if c.last else None)
-                for c in prefill.chunks]
-        prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests))
-        self.inflight.append(InFlight(prefill, "prefill", prefill.handle))
+        rows = [self._prefill_row(c) for c in prefill.chunks]
+        tables = self._verifier_tables()
+        prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests),
+                                                      tables)
+        self.inflight.append(InFlight(prefill, "prefill", prefill.handle, tables=tables))
         self.counters["prefill_tasks"] += 1
         to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
         if to_drafter and self.drafter is not None:
             # the drafter (its own GPU) takes the chunks while the verifier prefills them
-            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter)
+            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter,
+                                              self.sched.take_edits(KVRole.DRAFT))
             self.counters["drafter_prefills"] += 1
             asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
                                                                             self.sched.drafter_generation))
@@ -561,7 +621,8 @@ class BatchManager:
             task.tokens_to = self.channel.tokens_to(verify.seq, len(verify.rows), self.k)
         if verify.regime == "sd":
             task.kind = "step"
-            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp)
+            task.tables = self._verifier_tables()
+            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp, task.tables)
         else:
             for round_ in (verify.ahead, verify.fresh):
                 if round_ is None:
@@ -570,8 +631,9 @@ class BatchManager:
                     self._submit_round(round_, None)
                 task.drafts.append(round_.handle)
                 task.draft_timings.append(round_.timing)
+            task.tables = self._verifier_tables()
             task.ref = self.verifier.verify.remote(verify.seq, slots, verify.draft_index if verify.drafted else None,
-                                                   nlp, task.tokens_to, *task.drafts)
+                                                   nlp, task.tokens_to, *task.drafts, tables=task.tables)
         self.counters["queued_behind"] += self.sched.queued[verify.batch] > 1
         self.inflight.append(task)
         if verify.next_round is not None:
@@ -602,7 +664,8 @@ class BatchManager:
             takes_of.append(takes)
             all_but_two.append(spec.all_but_two)
         message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two,
-                             [r.seed for r in requests], [len(r.output_ids) for r in requests])
+                             [r.seed for r in requests], [len(r.output_ids) for r in requests],
+                             self.sched.take_edits(KVRole.DRAFT))
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:
@@ -635,13 +698,13 @@ class BatchManager:
         delay = 0.5
         while not self.dead:
             try:
-                await self.actors.replace_drafter()
+                info = await self.actors.replace_drafter()
             except Exception as e:
                 log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
                 continue
-            self.sched.drafter_up()
+            self.sched.drafter_up(KVPoolSpec(**info["kv_pools"]["draft"]))
             self.counters["drafter_restarts"] += 1
             log.warning("drafter restarted; speculative decoding resumed")
             self._wake.set()

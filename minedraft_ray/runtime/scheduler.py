@@ -23,6 +23,19 @@ thus grows by at most one chunk's time. While nothing decodes there is nothing t
 stall, and chunks are planned back to back until one completes a prompt. A request rides no verify and no
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
 by the time the verify runs), and its first token comes from that last chunk.
+
+KV blocks: the scheduler hands out both models' KV blocks (one `PlannedBlocks` pool per model, in this process) and
+the workers only apply its table changes, sent with their next task (`take_edits`): a worker runs its tasks in
+submission order, so a block freed here and given to another request is written by the new owner only after
+every task of the old one. A request is admitted when its slot and the blocks of its prefill and first verify are
+free (in both models; its prefix found in the cache, the same run of blocks in both, is mapped, not recomputed).
+Before each verify a rider's blocks are extended to what that verify (and in psd / sd_split the round drafted
+behind it) may write; when a pool runs short, the most recently admitted requests with nothing in flight are
+preempted (their blocks freed, back to the front of the queue) before the batches are balanced, so psd's
+balance rule holds after a preemption too. A preempted request is resumed by recompute: its prefill is every
+token but the newest, nothing is sampled there, and the verifier's slot state is set from its tokens
+(`RequestState.resumed`); the drafter catches up as after a restart. Full blocks whose K/V no task will write again
+are offered to the prefix cache after every commit (`_register`).
 """
 from __future__ import annotations
 
@@ -30,14 +43,52 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine.kv_cache import SlotAllocator
+from ..engine.kv_cache import HEADROOM, BlockManager, SlotAllocator, TableEdits
 from ..engine.request import Request
 from .regime import RegimeChooser
 
 
+class KVRole(enum.Enum):
+    TARGET = "target"
+    DRAFT = "draft"
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    """One model's KV pool as its worker built it (from its device's memory)."""
+    num_blocks: int                  # the null block included
+    block_size: int
+    blocks_per_slot: int             # entries of a slot's block table
+
+    @property
+    def holds(self) -> int:
+        """The longest request the pool can hold: all its blocks, less the verify's headroom."""
+        return (self.num_blocks - 1) * self.block_size - HEADROOM
+
+
+class PlannedBlocks(BlockManager):
+    """One model's KV pool as the scheduler hands it out. The table entries it changes are queued for the worker
+    that holds the table and sent with that worker's next task (`take_edits`; the last change of an entry wins)."""
+
+    def __init__(self, spec: KVPoolSpec, num_slots: int, prefix_caching: bool):
+        super().__init__(spec.num_blocks, spec.block_size, num_slots, spec.blocks_per_slot, prefix_caching)
+        self.spec = spec
+        self._edits: dict[tuple[int, int], int] = {}
+
+    def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
+        for entry in zip(rows, cols, ids):
+            self._edits[entry[:2]] = entry[2]
+
+    def take_edits(self) -> TableEdits | None:
+        if not self._edits:
+            return None
+        edits, self._edits = self._edits, {}
+        return TableEdits([r for r, _ in edits], [c for _, c in edits], list(edits.values()))
+
+
 class Status(enum.Enum):
-    WAITING = "waiting"        # queued for a slot
-    RUNNING = "running"        # holds a slot, in a batch
+    WAITING = "waiting"        # queued for a slot (new, or preempted)
+    RUNNING = "running"        # holds a slot and its KV blocks, in a batch
     FINISHED = "finished"      # done (stop, length or abort); its slot is freed once nothing in flight writes it
 
 
@@ -55,6 +106,12 @@ class RequestState:
     prefill_row: int = -1
     drafter_generation: int = -1     # the drafter that holds its prompt's chunks so far (-1: none)
     last_seq: int = -1               # task number of the latest task committed for it
+    # this residency (admission to finish or preemption)
+    admitted_at: int = -1            # admission number (preemption takes the latest admitted first)
+    resumed: bool = False            # preempted before: its prefill recomputes its tokens and samples nothing
+    prefill_len: int = 0             # tokens to prefill: the prompt, or every token but the newest when resumed
+    cached_tokens: int = 0           # of those, found in the prefix cache (mapped, not recomputed)
+    prefilled: int = 0               # of those, in the KV once the tasks committed so far ran
 
     @property
     def id(self) -> str:
@@ -71,14 +128,20 @@ class RequestState:
 
     @property
     def ready(self) -> bool:
-        """Its whole prompt is planned: it may ride a verify (behind its last chunk) and a draft round."""
-        return self.prompt_planned == len(self.request.prompt_ids)
+        """Its whole prefill is planned: it may ride a verify (behind its last chunk) and a draft round."""
+        return self.prompt_planned == self.prefill_len
+
+    @property
+    def takes_first_token(self) -> bool:
+        """Its prefill in flight samples its first token (a resumed request has its tokens)."""
+        return self.prefilling and not self.resumed
 
 
 @dataclass(frozen=True)
 class PromptChunk:
-    """Prompt tokens [start, stop) of a request, prefilled in one task; the chunk that ends the prompt (`last`)
-    samples the request's first token."""
+    """Tokens [start, stop) of a request's prefill (its prompt; when resumed, every token but the newest),
+    prefilled in one task; the chunk that ends the prefill (`last`) samples the request's first token, or, when
+    resumed, sets the verifier's slot state from its tokens."""
     state: RequestState
     start: int
     stop: int
@@ -86,11 +149,11 @@ class PromptChunk:
 
     @property
     def last(self) -> bool:
-        return self.stop == len(self.state.request.prompt_ids)
+        return self.stop == self.state.prefill_len
 
     @property
     def tokens(self) -> list[int]:
-        return self.state.request.prompt_ids[self.start:self.stop]
+        return self.state.request.span(self.start, self.stop)
 
 
 @dataclass(eq=False)
@@ -168,12 +231,15 @@ class SchedulerConfig:
     psd_low_load: str = "seq"         # auto | psd | seq
     psd_high_load: str = "auto"
     prefill_budget: int | None = None  # prompt tokens prefilled per verifier step; None: whole prompts (unchunked)
+    k: int = 4                         # draft tokens per verify (what a step writes past a request's length)
+    prefix_caching: bool = False
 
 
 @dataclass
 class SchedulePlan:
     """What one `schedule` call decided, in submission order: the prefills first, then the verifies."""
     finished: list[RequestState] = field(default_factory=list)   # aborted now (retired): tell their callers
+    preempted: list[RequestState] = field(default_factory=list)  # blocks ran short: back in the queue
     prefills: list[PrefillPlan] = field(default_factory=list)
     verifies: list[VerifyPlan] = field(default_factory=list)
     dropped: list[DraftPlan] = field(default_factory=list)       # rounds drafted ahead that no verify will name
@@ -202,7 +268,71 @@ class Scheduler:
         self.reset_choosers()
         self.saturated = False
         self.one_batch = False
-        self.counters = {"moves": 0, "balance_violations": 0, "drafts_ahead_used": 0, "draft_rows_unused": 0}
+        self.counters = {"moves": 0, "balance_violations": 0, "drafts_ahead_used": 0, "draft_rows_unused": 0,
+                         "preemptions": 0}
+        # KV blocks per model, once the workers have sized their pools (attach_kv)
+        self.kv: dict[KVRole, PlannedBlocks] = {}
+        self.max_len = 0                    # tokens a request may hold (prompt + output)
+        self._draft_spec: KVPoolSpec | None = None
+        self._admissions = 0
+
+    # ---- KV blocks -----------------------------------------------------------------------------
+    def attach_kv(self, target: KVPoolSpec, draft: KVPoolSpec | None, max_len: int) -> None:
+        """The pools the workers built (draft: None in ar), and the longest request they admit."""
+        if any(max_len > spec.holds for spec in (target, draft) if spec is not None):
+            raise ValueError(f"max_len {max_len} does not fit the KV pools")
+        self.max_len = max_len
+        self.kv = {KVRole.TARGET: PlannedBlocks(target, self.config.num_slots, self.config.prefix_caching)}
+        self._draft_spec = draft
+        if draft is not None and (self.mode == "sd" or self.drafter_alive):
+            self.kv[KVRole.DRAFT] = PlannedBlocks(draft, self.config.num_slots, self.config.prefix_caching)
+
+    def take_edits(self, role: KVRole) -> TableEdits | None:
+        """The table changes of `role`'s pool not yet sent: for the next task of the worker holding that model."""
+        pool = self.kv.get(role)
+        return pool.take_edits() if pool is not None else None
+
+    def _reach(self, s: RequestState, role: KVRole) -> int:
+        """Positions of s's slot in `role`'s model that its tasks may write up to the end of one more verify (and
+        in psd and sd_split the draft round behind it), capped at what one request may hold."""
+        k = 0 if self.mode == "ar" else self.config.k
+        r = s.request
+        # its length at that verify: a prefill in flight brings the first token, each verify up to k + 1
+        length = r.seq_len + (not r.output_ids) + (k + 1) * (s.inflight - s.prefill_tasks)
+        # a verify writes k + 1 tokens from length - 1; a round writes from length - 2 up to k - 1 drafts past
+        # its sequence, which the round drafted behind the verify extends by up to k + 1
+        ahead = k if role is KVRole.DRAFT and self.mode in ("psd", "sd_split") else 0
+        return min(length + k + ahead, self.max_len + HEADROOM)
+
+    def _reserve(self, s: RequestState) -> bool:
+        """Blocks for s's next verify in every model, all or nothing; False when a pool is short."""
+        wants = [(pool, self._reach(s, role)) for role, pool in self.kv.items()]
+        if any(pool.blocks_missing(s.slot, reach) > pool.num_available for pool, reach in wants):
+            return False
+        for pool, reach in wants:
+            pool.reserve(s.slot, reach)
+        return True
+
+    def _covered(self, s: RequestState) -> bool:
+        return all(pool.covers(s.slot, self._reach(s, role)) for role, pool in self.kv.items())
+
+    def _register(self, s: RequestState) -> None:
+        """Prefix caching: offer the full blocks whose K/V no task will write again. The target's below its KV
+        length (seq_len - 1; during the prefill, what committed chunks hold); the drafter's below what its slot is
+        known to hold, and below seq_len - 2, where every round starts writing."""
+        if not self.config.prefix_caching or s.slot is None:
+            return
+        r = s.request
+        final = {KVRole.TARGET: r.seq_len - 1 if s.prefilled == s.prefill_len else s.prefilled,
+                 KVRole.DRAFT: min(r.draft_valid, r.seq_len - 2)}
+        for role, pool in self.kv.items():
+            if final[role] >= pool.registered(s.slot) + pool.block_size:   # a new full block: hash it
+                pool.register(s.slot, r.tokens, final[role])
+
+    def _free_blocks(self, s: RequestState) -> None:
+        self._register(s)   # what it leaves behind stays cached, idle, for a request that starts the same way
+        for pool in self.kv.values():
+            pool.release(s.slot)
 
     # ---- requests ------------------------------------------------------------------------------
     def arrive(self, state: RequestState) -> None:
@@ -225,8 +355,9 @@ class Scheduler:
         return self.num_running() + len(self.waiting)
 
     def release(self, state: RequestState) -> None:
-        """Free a finished request's slot once no task in flight still writes to it."""
+        """Free a finished request's slot and KV blocks once no task in flight still writes to them."""
         if state.status is Status.FINISHED and state.inflight == 0 and state.request.slot is not None:
+            self._free_blocks(state)
             self.slots.free(state.request.slot)
             state.request.slot = None
 
@@ -308,17 +439,23 @@ class Scheduler:
         return "psd" if self.mode == "psd" and self.batches[1 - b] else "seq"
 
     def drafter_down(self) -> bool:
-        """The drafter failed: rounds sent to it are void; -> False when it was already down."""
+        """The drafter failed: rounds sent to it are void, and so are its KV blocks; -> False when it was already
+        down."""
         if not self.drafter_alive:
             return False
         self.drafter_alive = False
         self.drafter_generation += 1
+        self.kv.pop(KVRole.DRAFT, None)
         return True
 
-    def drafter_up(self) -> None:
-        """A new drafter holds no KV: every request catches up from the start."""
+    def drafter_up(self, pool: KVPoolSpec | None = None) -> None:
+        """A new drafter (its pool: as the last one's unless given) holds no KV: every request catches up from the
+        start, in blocks it takes from the new pool at its next verify."""
         for s in self.batches[0] + self.batches[1] + list(self.waiting):
             s.request.draft_valid = 0
+        self._draft_spec = pool or self._draft_spec
+        if self.kv and self._draft_spec is not None:
+            self.kv[KVRole.DRAFT] = PlannedBlocks(self._draft_spec, self.config.num_slots, self.config.prefix_caching)
         self.drafter_alive = True
 
     # ---- membership ----------------------------------------------------------------------------
@@ -343,13 +480,82 @@ class Scheduler:
         if self.mode == "psd" and self.drafter_alive and self.high_load() and self.high_load_regime() == "seq":
             limit = self.config.max_batch   # one sequential batch; the rest wait (and psd drains to it)
         while self.waiting and self.num_running() + len(new) < limit and self.slots.num_free > 0:
+            if not self._start(self.waiting[0], reserve_for=self.num_running() + len(new)):
+                break   # FIFO: the head waits for blocks, and nobody overtakes it
             s = self.waiting.popleft()
-            s.request.slot = self.slots.alloc()
-            s.request.draft_valid = 0   # the drafter catches up on its first round (or holds the prompt)
-            s.prompt_planned, s.drafter_generation = 0, -1
             s.status = Status.RUNNING
             new.append(s)
         return new
+
+    def _start(self, s: RequestState, reserve_for: int) -> bool:
+        """Give s a slot, its cached prefix and the blocks of its prefill and first verify in every model, leaving
+        one block per running request for their next steps (`reserve_for` of them); False (nothing held) when
+        the pools cannot."""
+        r = s.request
+        s.resumed = bool(r.output_ids)
+        s.prefill_len = r.seq_len - 1 if s.resumed else len(r.prompt_ids)
+        first_len = r.seq_len + (not s.resumed)   # its length at its first verify
+        slot = self.slots.alloc()
+        r.slot = slot
+        # a hit stops two tokens short of the first verify's length: the target recomputes the newest prompt token
+        # (its logits), the drafter re-feeds the last two tokens of every round. The same run of blocks in both
+        # models, so that one prefill serves both
+        found = {role: pool.lookup(r.tokens, first_len - 2) for role, pool in self.kv.items()}
+        hit = min(map(len, found.values()))
+        for role, pool in self.kv.items():
+            # adopting idle cached blocks takes them out of what a reservation may evict
+            available = pool.num_available - sum(b in pool.idle for b in found[role][:hit])
+            if pool.blocks_for(self._reach(s, role)) - hit + reserve_for > available:
+                self.slots.free(slot)
+                r.slot = None
+                return False
+        for role, pool in self.kv.items():
+            pool.adopt(slot, found[role][:hit])
+            pool.reserve(slot, self._reach(s, role))
+            pool.count_lookup(first_len - 2, hit * pool.block_size)
+        s.cached_tokens = r.num_cached_tokens = hit * self.kv[KVRole.TARGET].block_size
+        s.prompt_planned = s.prefilled = s.cached_tokens
+        # the drafter holds the cached prefix (and catches up from there on its first round, or takes the chunks)
+        with_drafter = KVRole.DRAFT in self.kv
+        r.draft_valid = s.cached_tokens if with_drafter else 0
+        s.drafter_generation = self.drafter_generation if with_drafter else -1
+        s.admitted_at, self._admissions = self._admissions, self._admissions + 1
+        return True
+
+    def _grow(self) -> list[RequestState]:
+        """Blocks for the next verify of every member that waits for one (nothing in flight but its prefill);
+        when a pool runs short, the most recently admitted members with nothing in flight are preempted until
+        the rest fit (vLLM's recompute preemption). -> the preempted, most recent first."""
+        preempted = []
+        short = [s for batch in self.batches for s in batch
+                 if s.ready and s.inflight == s.prefill_tasks and not self._reserve(s)]
+        for s in sorted(short, key=lambda s: s.admitted_at):
+            while s.status is Status.RUNNING and not self._reserve(s):
+                victim = self._victim()
+                if victim is None or victim.admitted_at < s.admitted_at:
+                    break   # only requests admitted before it are idle: it waits for tasks in flight to end
+                self._preempt(victim)
+                preempted.append(victim)
+        return preempted
+
+    def _victim(self) -> RequestState | None:
+        """The most recently admitted member with nothing in flight (no task writes its blocks)."""
+        idle = [s for batch in self.batches for s in batch if s.inflight == 0 and s.status is Status.RUNNING]
+        return max(idle, key=lambda s: s.admitted_at, default=None)
+
+    def _preempt(self, s: RequestState) -> None:
+        """Free s's blocks and slot and put it back in the queue; it is resumed by recompute (`_start`)."""
+        self._free_blocks(s)
+        self.slots.free(s.slot)
+        s.request.slot = None
+        for b, batch in enumerate(self.batches):
+            if s in batch:
+                batch.remove(s)
+        if s in self.unprefilled:
+            self.unprefilled.remove(s)
+        s.status = Status.WAITING
+        s.request.num_preemptions += 1
+        self.counters["preemptions"] += 1
 
     def _place(self, new: list[RequestState], committed: int | None) -> None:
         """New requests join the smaller batch; on a tie, the batch committed now (its next verify goes first)."""
@@ -392,9 +598,17 @@ class Scheduler:
     def schedule(self, committed: int | None) -> SchedulePlan:
         """Membership changes (retire, admit, place, rebalance) and the next verify of every batch with room in
         its chain. Runs when batch `committed` has just been committed (None: from idle)."""
+        assert self.kv, "the KV pools are not attached (attach_kv)"
         plan = SchedulePlan(finished=self._retire())
+        if self.config.prefix_caching:
+            for batch in self.batches:
+                for s in batch:
+                    self._register(s)
         self.update_saturation()
-        new = self._admit()
+        plan.preempted = self._grow()
+        self.waiting.extendleft(plan.preempted)   # back in front, the earliest admitted first
+        # nobody is admitted in a step that preempted: the blocks just freed are the running requests'
+        new = [] if plan.preempted else self._admit()
         self.unprefilled.extend(new)
         self._place(new, committed)
         self._rebalance()
@@ -433,7 +647,7 @@ class Scheduler:
         if committed is not None and self.mode == "psd":
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
-        room = self.config.prefill_budget or sum(len(s.request.prompt_ids) for s in pending)
+        room = self.config.prefill_budget or sum(s.prefill_len - s.prompt_planned for s in pending)
         if self.config.prefill_budget and self.mode == "psd" and not self.one_batch and all(self.batches):
             # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
             # each keeps a request's gap within one chunk's time
@@ -443,12 +657,14 @@ class Scheduler:
             if room == 0:
                 break
             start = s.prompt_planned
-            stop = min(len(s.request.prompt_ids), start + room)
+            stop = min(s.prefill_len, start + room)
             # psd and sd_split: the drafter takes the chunks while the verifier prefills them, so the first round
             # feeds two tokens, not the prompt (the drafter runs its tasks in order: before any round). Only a
-            # drafter that holds the chunks before takes one (a drafter restarted meanwhile holds none)
+            # drafter that holds the chunks before takes one (a drafter restarted meanwhile holds none), into
+            # blocks it has for them
             to_drafter = self.mode in ("psd", "sd_split") and self.drafter_alive and \
-                (start == 0 or s.drafter_generation == self.drafter_generation)
+                (start == 0 or s.drafter_generation == self.drafter_generation) and \
+                KVRole.DRAFT in self.kv and self.kv[KVRole.DRAFT].covers(s.slot, stop)
             s.drafter_generation = self.drafter_generation if to_drafter else -1
             chunks.append(PromptChunk(s, start, stop, to_drafter))
             room -= stop - start
@@ -462,7 +678,10 @@ class Scheduler:
             s.prefill_tasks += 1
             if c.last:
                 s.prefilling, s.prefill, s.prefill_row = True, prefill, row
-                s.request.draft_valid = len(s.request.prompt_ids) if c.to_drafter else 0
+                if c.to_drafter:
+                    s.request.draft_valid = s.prefill_len
+                elif s.drafter_generation != self.drafter_generation:
+                    s.request.draft_valid = min(s.request.draft_valid, s.cached_tokens)
                 self.unprefilled.remove(s)
         return prefill
 
@@ -479,6 +698,9 @@ class Scheduler:
             rows = [s for s in self.batches[b] if s.ready]
         else:   # a request rides when its state is committed, or only its prefill is ahead of it
             rows = [s for s in self.batches[b] if s.ready and s.inflight == s.prefill_tasks]
+        # and when it has the blocks the verify writes (a second verify queued in sd and ar takes more; without
+        # them the request rides the next one)
+        rows = [s for s in rows if self._reserve(s)]
         if not rows:
             return None   # every member is still in flight in the other batch (moved): next commit
         regime = self.regime(b)
@@ -526,8 +748,8 @@ class Scheduler:
     @staticmethod
     def _fresh_row(s: RequestState) -> DraftRow:
         """A rider drafted from its committed tokens now (a new one also from its prefill's first token)."""
-        if s.prefilling:
-            return DraftRow(s, s.prefill, -1, s.request.draft_valid >= len(s.request.prompt_ids))
+        if s.takes_first_token:
+            return DraftRow(s, s.prefill, -1, s.request.draft_valid >= s.prefill_len)
         return DraftRow(s, None, -1, False)
 
     def _plan_next_round(self, b: int, verify: VerifyPlan) -> DraftPlan | None:
@@ -541,13 +763,15 @@ class Scheduler:
             vrow = at_verify.get(id(s), -1)
             if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
+            if vrow < 0 and not self._covered(s):
+                continue   # no blocks for its drafts yet (the verify left it out for that)
             last = verify.seq if vrow >= 0 else s.prefill.seq if s.prefilling else s.last_seq
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
             # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
             all_but_two = (vrow >= 0 and verify.draft_index[vrow] >= 0) or \
-                (s.prefilling and s.request.draft_valid >= len(s.request.prompt_ids))
+                (s.takes_first_token and s.request.draft_valid >= s.prefill_len)
             built[id(s)] = (len(rows), last)
-            rows.append(DraftRow(s, s.prefill if s.prefilling else None, vrow, all_but_two))
+            rows.append(DraftRow(s, s.prefill if s.takes_first_token else None, vrow, all_but_two))
         if not rows:
             return None
         return DraftPlan(b, rows, after=verify, generation=self.drafter_generation, built=built)
@@ -558,6 +782,7 @@ class Scheduler:
             s = c.state
             s.inflight -= 1
             s.prefill_tasks -= 1
+            s.prefilled = c.stop
             if c.last:
                 s.prefilling, s.prefill, s.prefill_row = False, None, -1
                 s.last_seq = prefill.seq

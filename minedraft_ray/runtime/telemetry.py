@@ -44,6 +44,17 @@ class RegimeSteps:
 
 
 @dataclass(frozen=True)
+class KVPoolStats:
+    """One model's KV pool: blocks (the null block not counted), blocks held by requests, and the prefix cache's
+    tokens found / looked up so far."""
+    model: str                       # target | draft
+    blocks: int
+    blocks_in_use: int
+    hit_tokens: int
+    query_tokens: int
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state as metrics read it after a step."""
     k: int
@@ -53,3 +64,5 @@ class EngineSnapshot:
     slots_in_use: int
     num_slots: int
     drafter_alive: bool
+    kv_pools: tuple[KVPoolStats, ...] = ()
+    preemptions: int = 0             # so far

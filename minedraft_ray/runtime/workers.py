@@ -18,23 +18,20 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import EngineConfig
-from ..engine.engine import default_device
-from ..engine.kv_cache import CacheSizeError, KVCache
+from ..engine.engine import ACTIVATION_MARGIN_BYTES, activation_bytes, default_device, pool_tokens
+from ..engine.kv_cache import HEADROOM, CacheSizeError, TableEdits
 from ..engine.loader import check_pair, load_model
+from ..engine.model import ModelConfig
 from ..engine.parallel import ShardedRunner, TensorParallel
 from ..engine.presets import resolve_model
 from ..engine.rejection import draft_probs_width
-from ..engine.runner import ModelRunner, to_device, to_host_async
+from ..engine.runner import PREFILL_TOKEN_BUDGET, ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
 from .link import PeerLink
-from .rendezvous import GcsStore, fresh_prefix
-from .rendezvous import Rendezvous
+from .rendezvous import GcsStore, Rendezvous, fresh_prefix
 
 log = logging.getLogger("minedraft.runtime")
-
-# share of a GPU's free memory the target's KV slots may take (the rest: activations, graphs, the sampler's buffers)
-KV_MEMORY_FRACTION = 0.9
 
 
 def pick_device(config: EngineConfig) -> torch.device:
@@ -141,18 +138,42 @@ GREEDY_ROW = SamplingRow(0.0, 1.0, 0, 0)   # for rows whose sample is not used (
 
 
 @dataclass(frozen=True)
+class SlotResume:
+    """A preempted request's slot state, which a verify reads: its last two tokens and the output position of
+    its next token (its prefill recomputed the K/V of every token but the last)."""
+    prev_token: int
+    last_token: int
+    position: int
+
+
+@dataclass(frozen=True)
 class PrefillRow:
     """One row of a prefill task: tokens [start, start + len(tokens)) of a prompt into `slot`, which holds the
     tokens before them. The row that ends its prompt carries the request's sampling settings: its first token
-    is sampled and its slot state starts; a chunk before the end only fills KV."""
+    is sampled and its slot state starts; a chunk before the end only fills KV. A resumed request's prefill
+    (`resume`) holds every token but its last, and its slot state is set from `resume`, nothing sampled."""
     slot: int
     start: int
     tokens: list[int]
     sampling: SamplingRow | None = None
+    resume: SlotResume | None = None
 
     @property
     def ends_prompt(self) -> bool:
         return self.sampling is not None
+
+    @property
+    def starts_request(self) -> bool:
+        """It ends a new request's prompt: the request's first token is sampled here."""
+        return self.sampling is not None and self.resume is None
+
+
+@dataclass(frozen=True)
+class KVEdits:
+    """The block-table changes a task carries, per model, applied in its turn before its device work: those the
+    scheduler made since this worker's previous task (runtime/scheduler.py hands out the blocks)."""
+    target: TableEdits | None = None
+    draft: TableEdits | None = None
 
 
 def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
@@ -180,6 +201,7 @@ class DraftRound:
     all_but_two: list[bool]
     seeds: list[int]
     positions: list[int]
+    tables: TableEdits | None = None   # the drafter's block-table changes since its previous task
 
     @property
     def num_rows(self) -> int:
@@ -223,6 +245,9 @@ class _Worker:
         self.dtype = pick_dtype(self.config, self.device)
         self.num_slots = num_slots
         self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
+        if self.config.max_len is None:   # as the manager resolves it (a worker built on its own, in tests)
+            context = ModelConfig.from_pretrained(self.target_dir).max_position_embeddings
+            self.config = self.config.model_copy(update={"max_len": context})
         self.vocab_limit = config.vocab_limit
         # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
         self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
@@ -238,46 +263,74 @@ class _Worker:
         """The collective channel's link, if it is the one of that drafter generation."""
         return self.link if self.link is not None and self.link.generation == generation else None
 
-    def _runner(self, path: str, step_widths: tuple[int, ...]) -> ModelRunner:
-        """The model on this device; on CUDA its graphs for every batch bucket and step width are captured
-        now, so the first requests do not pay for captures (and the compiles inside them)."""
-        model = load_model(path, self.device, self.dtype)
+    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int) -> ModelRunner:
+        """`model` on this device with a pool of `num_blocks` KV blocks (handed out by the scheduler); on CUDA its
+        graphs for every batch bucket and step width are captured now, so the first requests do not pay for
+        captures (and the compiles inside them)."""
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
-                             self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill)
+                             self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill,
+                             block_size=self.config.block_size, num_blocks=num_blocks)
         runner.capture_all(step_widths)
         return runner
 
-    def _target_runner(self, group: Rendezvous | None, rank: int, step_widths: tuple[int, ...]) -> ModelRunner:
-        """The target (`_runner`), or at tp > 1 this rank's shard of it, in the group met at `group`. Rank 0's
-        calls drive every rank (its graph captures too); the others follow (TargetRank)."""
+    def _load_target(self, group: Rendezvous | None, rank: int):
+        """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
         if self.config.tp == 1:
-            return self._runner(self.target_dir, step_widths)
+            return load_model(self.target_dir, self.device, self.dtype)
         self.tp = TensorParallel.connect(group.join(), rank, self.config.tp, self.device, _node_ip(),
                                          self.config.step_timeout_s)
-        model = load_model(self.target_dir, self.device, self.dtype, tp=self.tp)
-        self._check_kv_fits(model)
+        return load_model(self.target_dir, self.device, self.dtype, tp=self.tp)
+
+    def _target_runner(self, model, rank: int, step_widths: tuple[int, ...], num_blocks: int) -> ModelRunner:
+        """The target's runner (`_runner`), sharded at tp > 1: rank 0's calls drive every rank (its graph captures
+        too); the others follow (TargetRank)."""
+        if self.config.tp == 1:
+            return self._runner(model, step_widths, num_blocks)
         runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
-                               tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit)
+                               tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit,
+                               block_size=self.config.block_size, num_blocks=num_blocks)
         if rank == 0:
             runner.capture_all(step_widths)
         return runner
 
-    def _check_kv_fits(self, model) -> None:
-        """A tensor-parallel rank's KV slots must fit on every rank's GPU, rank 0's included, which in sd also holds
-        the drafter (loaded before the target): every rank checks the least free memory of all ranks, so all of
-        them fail together rather than one failing and the others waiting for it."""
-        if self.device.type != "cuda":
-            return
-        cfg = model.cfg
-        per_slot = KVCache.bytes_per_slot(cfg.num_layers, self.config.max_len, model.num_kv_heads, cfg.head_dim,
-                                          next(model.parameters()).dtype)
-        free = self.tp.min_across_ranks(torch.cuda.mem_get_info(self.device)[0])
-        slots = self.num_slots + 1   # the runner's scratch slot
-        if int(free * KV_MEMORY_FRACTION) < slots * per_slot:
-            raise CacheSizeError(f"{slots} KV slots of max_len={self.config.max_len} need "
-                                 f"{slots * per_slot / 2**30:.2f} GiB on each of the target's {self.config.tp} GPUs, "
-                                 f"but the fullest has {free / 2**30:.2f} GiB free; lower max_batch, num_slots or "
-                                 "max_len")
+    def _pool_blocks(self, models: list) -> int:
+        """KV blocks of each of `models`' pools on this device: `num_kv_blocks` when set, else what
+        `gpu_memory_utilization` of the device leaves after what is loaded and the activations (engine.pool_tokens;
+        on a CPU a fixed bound), and no more than every slot at max_len can use. At tp > 1 every rank takes the
+        least of all ranks (rank 0 in sd also holds the drafter), so they hold the same blocks, and all fail
+        together when one has no room."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        reserve = ACTIVATION_MARGIN_BYTES + activation_bytes(models, PREFILL_TOKEN_BUDGET, cfg.max_running,
+                                                             cfg.k + 1)
+        bound = self.num_slots * (cfg.max_len + HEADROOM)
+        error = None
+        try:
+            blocks = pool_tokens(models, self.device, cfg.gpu_memory_utilization, reserve, bound) \
+                // cfg.block_size + 1   # + the null block
+        except CacheSizeError as e:   # raised after the other ranks learn of it
+            blocks, error = 0, e
+        if self.tp is not None:
+            blocks = self.tp.min_across_ranks(blocks)
+        if blocks < 2:
+            raise CacheSizeError(str(error) if error is not None else
+                                 f"no room for a KV pool on {self.device} (or on another of the target's GPUs); "
+                                 "raise gpu_memory_utilization or lower max_batch")
+        return blocks
+
+    @staticmethod
+    def _pool_of(runner: ModelRunner) -> dict:
+        cache = runner.cache
+        return {"num_blocks": cache.num_blocks, "block_size": cache.block_size,
+                "blocks_per_slot": cache.blocks_per_slot}
+
+    def kv_pools(self) -> dict:
+        """Each KV pool this worker holds, by model (target, draft), as the scheduler sizes its bookkeeping."""
+        return {}
+
+    def _map_blocks(self, tables: KVEdits | None) -> None:
+        """Apply a task's block-table changes (in its turn, before its device work)."""
 
     def ready(self) -> dict:
         # everything allocated so far (models, graphs, caches) lives as long as the actor: keep it out of
@@ -285,7 +338,7 @@ class _Worker:
         gc.collect()
         gc.freeze()
         return {"pid": os.getpid(), "device": str(self.device), "gpu_ids": _gpu_ids(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "kv_pools": self.kv_pools()}
 
 
 def _node_ip() -> str:
@@ -315,6 +368,18 @@ class SlotState:
         self.position = torch.zeros(num_slots, dtype=torch.int64, device=device)     # [S]
         self.sampling = SamplingBatch.build([SamplingParams(temperature=0.0)] * num_slots, device,
                                             seeds=[0] * num_slots)                    # [S] rows
+
+    def resume(self, rows: list[PrefillRow], batch: SamplingBatch) -> None:
+        """Preempted requests back in their (new) slots: state from their tokens, nothing sampled."""
+        slots = [r.slot for r in rows]
+        host = torch.tensor([[r.resume.prev_token, r.resume.last_token, r.start + len(r.tokens) + 1,
+                              r.resume.position] for r in rows], dtype=torch.int64).to(self.seq_len.device)
+        slot_t = to_device(slots, self.seq_len.device)
+        self.sampling.assign(slots, batch)
+        self.prev_token[slot_t] = host[:, 0]
+        self.last_token[slot_t] = host[:, 1]
+        self.seq_len[slot_t] = host[:, 2]
+        self.position[slot_t] = host[:, 3]
 
     def start(self, slots: list[int], slot_t: torch.Tensor, batch: SamplingBatch, first: torch.Tensor,
               ends: list[PrefillRow]) -> None:
@@ -350,15 +415,29 @@ class VerifierWorker(_Worker):
     def __init__(self, config: dict, num_slots: int, tp_group: Rendezvous | None = None):
         """tp_group: where the target's ranks meet (tp > 1); this actor is rank 0."""
         super().__init__(config, num_slots)
-        self._load_beside_target()
+        beside = self._load_beside_target()
+        target = self._load_target(tp_group, 0)
+        num_blocks = self._pool_blocks([target] + beside)   # every model here caches every token once
+        self._start_beside_target(beside, num_blocks)
         # verify steps are k + 1 wide, or 1 when no row carries drafts
-        self.verifier = Verifier(self._target_runner(tp_group, 0, (self.config.k + 1, 1)))
+        self.verifier = Verifier(self._target_runner(target, 0, (self.config.k + 1, 1), num_blocks))
         self.state = SlotState(num_slots, self.device)
         self.order = LaunchOrder(self.config.step_timeout_s, "verifier") if self.config.verifier_overlap else None
 
-    def _load_beside_target(self) -> None:
-        """What shares this actor's GPU with the target, loaded first so that the target's KV check sees what it
-        leaves free (SpecWorker: the drafter)."""
+    def _load_beside_target(self) -> list:
+        """The models that share this actor's GPU with the target (SpecWorker: the drafter), loaded first so that
+        the KV pools are sized from what they all leave free."""
+        return []
+
+    def _start_beside_target(self, models: list, num_blocks: int) -> None:
+        """Their runners, before the target's."""
+
+    def kv_pools(self) -> dict:
+        return {"target": self._pool_of(self.verifier.runner)}
+
+    def _map_blocks(self, tables: KVEdits | None) -> None:
+        if tables is not None and tables.target is not None:
+            self.verifier.runner.map_blocks(tables.target)
 
     def open_link(self, generation: int) -> str:
         """The collective channel: wait for the drafter of `generation` -> the rendezvous key prefix it joins
@@ -433,11 +512,13 @@ class VerifierWorker(_Worker):
         tokens, logprobs = staged.to_host()
         return VerifierResult(tokens, logprobs, ms, t_launch, time.time())
 
-    def prefill(self, seq: int, rows: list[PrefillRow], num_logprobs: int) -> VerifierResult:
+    def prefill(self, seq: int, rows: list[PrefillRow], num_logprobs: int,
+                tables: KVEdits | None = None) -> VerifierResult:
         """Prompt chunks into their slots; a request whose chunk ends its prompt starts: first token, and the
-        slot state later verify steps read. The result has a row per chunk (only the ends' tokens mean
-        anything)."""
+        slot state later verify steps read (a resumed request: the state from its tokens). The result has a row
+        per chunk (only the new requests' ends' tokens mean anything)."""
         def launch():
+            self._map_blocks(tables)
             with StepTimer(self.device) as timer:
                 staged = self._prefill(rows, num_logprobs).staged()
             return staged, timer
@@ -447,7 +528,7 @@ class VerifierWorker(_Worker):
         slots, starts = [r.slot for r in rows], [r.start for r in rows]
         batch = sampling_batch([r.sampling or GREEDY_ROW for r in rows], self.device)
         result = self.verifier.prefill(slots, [r.tokens for r in rows], batch, num_logprobs, starts)
-        ends = [i for i, r in enumerate(rows) if r.ends_prompt]
+        ends = [i for i, r in enumerate(rows) if r.starts_request]
         if len(ends) == len(rows):
             self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], rows)
         elif ends:
@@ -456,17 +537,22 @@ class VerifierWorker(_Worker):
             self.state.start(end_slots, to_device(end_slots, self.device),
                              sampling_batch([r.sampling for r in end_rows], self.device),
                              result.tokens[to_device(ends, self.device), 0], end_rows)
+        resumed = [r for r in rows if r.resume is not None]
+        if resumed:
+            self.state.resume(resumed, sampling_batch([r.sampling for r in resumed], self.device))
         return result
 
     def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
-               tokens_to: LinkTokens | None = None, *drafts) -> VerifierResult:
+               tokens_to: LinkTokens | None = None, *drafts, tables: KVEdits | None = None) -> VerifierResult:
         """One verify step for slots (their last tokens and positions are in the slot state).
 
         drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None} from
         the draft channel (or the key it comes under); draft_index[b] is row b's row in their concatenation,
         or -1 for a row without drafts (drafter down).
-        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it."""
+        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
+        tables: its block-table changes."""
         def launch():
+            self._map_blocks(tables)
             round_drafts = self._take_drafts(drafts)
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
@@ -509,15 +595,24 @@ class DrafterWorker(_Worker):
 
     def __init__(self, config: dict, num_slots: int):
         super().__init__(config, num_slots)
+        model = load_model(self.draft_dir, self.device, self.dtype)
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
-        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
-                               self.config.draft_top_k)
+        self.drafter = Drafter(self._runner(model, (2, 1), self._pool_blocks([model])),
+                               self.config.draft_temperature, self.config.draft_top_k)
         self.order = LaunchOrder(self.config.step_timeout_s, "drafter") if self.config.drafter_overlap else None
 
-    def prefill(self, seq: int, rows: list[PrefillRow]) -> float:
+    def kv_pools(self) -> dict:
+        return {"draft": self._pool_of(self.drafter.runner)}
+
+    def _map_blocks(self, tables: TableEdits | None) -> None:
+        if tables is not None:
+            self.drafter.runner.map_blocks(tables)
+
+    def prefill(self, seq: int, rows: list[PrefillRow], tables: TableEdits | None = None) -> float:
         """Put new requests' prompt chunks in their slots (once a prompt is all there, its first draft feeds
-        only the last two tokens) -> device ms."""
+        only the last two tokens) -> device ms. tables: the drafter's block-table changes."""
         with self._turn(seq):
+            self._map_blocks(tables)
             with StepTimer(self.device) as timer:
                 self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
         return timer.ms
@@ -551,6 +646,7 @@ class DrafterWorker(_Worker):
         except Exception as e:  # noqa: BLE001 - raised in the turn, which is then handed on
             error = e
         with self._turn(round_.seq):
+            self._map_blocks(round_.tables)   # even when the round fails: later rounds take blocks it mapped
             if error is not None:
                 raise error
             with StepTimer(self.device) as timer:
@@ -602,20 +698,33 @@ class SpecWorker(VerifierWorker):
     The drafter's slots are prefilled with the prompt together with the target's, and every step drafts
     from the slot state alone, so the manager can queue a step before the previous one's tokens are back."""
 
-    def _load_beside_target(self) -> None:
+    def _load_beside_target(self) -> list:
+        return [load_model(self.draft_dir, self.device, self.dtype)]
+
+    def _start_beside_target(self, models: list, num_blocks: int) -> None:
         # a draft round steps 2 tokens (the re-fed tail), then 1 at a time
-        self.drafter = Drafter(self._runner(self.draft_dir, (2, 1)), self.config.draft_temperature,
+        self.drafter = Drafter(self._runner(models[0], (2, 1), num_blocks), self.config.draft_temperature,
                                self.config.draft_top_k)
+
+    def kv_pools(self) -> dict:
+        return {**super().kv_pools(), "draft": self._pool_of(self.drafter.runner)}
+
+    def _map_blocks(self, tables: KVEdits | None) -> None:
+        super()._map_blocks(tables)
+        if tables is not None and tables.draft is not None:
+            self.drafter.runner.map_blocks(tables.draft)
 
     def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
         self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
         return super()._prefill(rows, num_logprobs)
 
-    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int) -> VerifierResult:
+    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int,
+             tables: KVEdits | None = None) -> VerifierResult:
         """Draft k tokens for every slot from the slot state, then verify them."""
         state, timers = self.state, {}
 
         def launch():
+            self._map_blocks(tables)
             with StepTimer(self.device) as timers["draft"]:
                 slot_t = to_device(slots, self.device)
                 last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
@@ -636,7 +745,8 @@ class TargetRank(_Worker):
     def __init__(self, config: dict, num_slots: int, rank: int, tp_group: Rendezvous):
         super().__init__(config, num_slots)
         self.rank = rank
-        self.runner = self._target_runner(tp_group, rank, ())
+        model = self._load_target(tp_group, rank)
+        self.runner = self._target_runner(model, rank, (), self._pool_blocks([model]))
 
     def follow(self) -> int:
         """Run rank 0's calls until it stops (-> this rank) or the group breaks (raises: rank 0 or a peer died)."""

@@ -126,7 +126,7 @@ class EngineServer:
         return True
 
     async def info(self) -> dict:   # async: runs on the loop that owns the manager
-        return {**self.manager.info(), "max_len": self.manager.max_len, "workers": self.manager.worker_info,
+        return {**self.manager.info(), "workers": self.manager.worker_info,
                 "replica": serve.get_replica_context().replica_id.unique_id}
 
     async def check_health(self) -> None:

@@ -13,8 +13,9 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
 - prompt tokens when the first token arrives (the prefill is done), generation tokens as they arrive;
 - spec-decode counters from each request's final stats (vLLM counts them per step; the totals agree, but a
   request whose client went away before it finished is not counted here);
-- running and waiting requests, KV-cache usage (KV slots held / slots): the engine's own state
-  (BatchManager.info), read at each scrape.
+- running and waiting requests, KV-cache usage (the target's KV blocks held by requests / its blocks, as
+  vLLM's: cached blocks nobody holds count as free): the engine's own state (BatchManager.info), read at each
+  scrape.
 
 The project's own series (`ray_minedraft_*`, docs/observability.md) stay where they are, on Ray's metrics
 export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored).
@@ -95,11 +96,12 @@ class APIMetrics:
         return RequestTimer(self, prompt_tokens)
 
     def set_engine_state(self, info: dict) -> None:
-        """From BatchManager.info(). KV usage is the share of KV slots held: each slot preallocates max_len
-        tokens, so that is the share of the KV cache's memory in use (vLLM: of its blocks)."""
+        """From BatchManager.info(). KV usage is the share of the target's KV blocks that requests hold (its pool
+        is the larger part of the KV memory; the drafter's is in info's `kv_cache` too)."""
         self.running.set(info["running"])
         self.waiting.set(info["queued"])
-        self.kv_cache_usage.set(info["slots_in_use"] / info["num_slots"] if info.get("num_slots") else 0.0)
+        pool = (info.get("kv_cache") or {}).get("target")
+        self.kv_cache_usage.set(pool["blocks_in_use"] / pool["blocks"] if pool and pool["blocks"] else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

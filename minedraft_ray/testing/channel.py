@@ -55,8 +55,8 @@ class End:
         return wildcard_listeners()
 
 
-def wildcard_listeners() -> list[tuple[str, str]]:
-    """TCP sockets of this process listening on 0.0.0.0 or ::."""
+def tcp_listeners() -> list[tuple[str, int]]:
+    """(address, port) of this process's listening TCP sockets; the address as /proc/net writes it (hex)."""
     inodes = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -70,7 +70,21 @@ def wildcard_listeners() -> list[tuple[str, str]]:
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
-                address, state, inode = fields[1].split(":")[0], fields[3], fields[9]
-                if state == "0A" and inode in inodes and set(address) == {"0"}:
-                    found.append((table, fields[1]))
+                (address, port), state, inode = fields[1].split(":"), fields[3], fields[9]
+                if state == "0A" and inode in inodes:
+                    found.append((address, int(port, 16)))
     return found
+
+
+def wildcard_listeners() -> list[tuple[str, int]]:
+    """TCP sockets of this process listening on 0.0.0.0 or ::."""
+    return [(address, port) for address, port in tcp_listeners() if set(address) == {"0"}]
+
+
+def ray_worker_port() -> int:
+    """The port of this Ray worker's own gRPC server (every Ray worker process listens on one)."""
+    import ray
+    from ray.core.generated.common_pb2 import Address
+
+    ref = ray.put(None)   # an object this worker owns: its owner address is the worker's
+    return Address.FromString(ray._private.worker.global_worker.core_worker.get_owner_address(ref)).port

@@ -1,0 +1,176 @@
+"""Paged KV in the served runtime (issue 25): the scheduler hands out both models' KV blocks, admits by free
+blocks, preempts (recompute) when they run short and caches prefixes.
+
+- The scheduler alone, with hypothesis (tests/test_scheduler.py's driver and invariants, over pools small enough to
+  run short): blocks never leaked, lost or held by two requests (but as a cached prefix), the workers' tables
+  always the scheduler's, no block of a task in flight taken away, a preempted request resumed exactly once,
+  every request finished exactly once, and psd's balance kept across preemptions.
+- The runtime on the session's Ray cluster (fp32 CPU, tiny pair): greedy sd, sd_split and psd with a pool that
+  forces preemption give ar's tokens; prefix caching on gives the tokens of caching off, with hits in both
+  models; max_len comes from the model and the pool; KV usage counts blocks.
+"""
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minedraft_ray.engine.engine import Engine
+from minedraft_ray.engine.kv_cache import HEADROOM
+from minedraft_ray.runtime import LLM
+from minedraft_ray.runtime.scheduler import KVRole
+from runtime_common import LENGTHS, PROMPTS, check_balance, greedy, settled
+from test_scheduler import BUDGETS, EVENTS, Driver, check_all, check_drained_blocks, drawn, make_scheduler, run_events
+
+
+# ---- the scheduler over blocks ------------------------------------------------------------------------------
+# test_scheduler's events, with more and longer requests, so that the pool runs short
+LONG = st.tuples(st.just("arrive"), st.integers(8, 20), st.integers(10, 16), st.just(False))
+PAGING_EVENTS = st.one_of(EVENTS, LONG, LONG, st.tuples(st.just("complete")), st.tuples(st.just("complete")))
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["psd", "psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
+       budget=BUDGETS, num_blocks=st.integers(14, 20), prefix_caching=st.booleans(),
+       events=st.lists(PAGING_EVENTS, min_size=30, max_size=150), data=st.data())
+def test_scheduler_invariants_hold_when_blocks_run_short(mode, max_batch, budget, num_blocks, prefix_caching,
+                                                         events, data):
+    """A pool of 14-30 blocks of 4 tokens: a request may hold up to 13 of them (40 tokens and the verify's
+    headroom), so a few requests fill it and preemption is frequent."""
+    run_events(mode, max_batch, 2, events, drawn(data), budget, num_blocks=num_blocks, prefix_caching=prefix_caching)
+
+
+def burst(mode: str, num_blocks: int, prefix_caching: bool, accept_all: bool = True):
+    """Ten requests of shared prompt starts and 16 tokens each into one engine, run to the end."""
+    sched = make_scheduler(mode, 3, 2, None, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    driver = Driver(sched)
+    for n in range(10):
+        driver.arrive(3 + 2 * n % 17, 16, False)
+    for _ in range(3000):
+        if not (driver.inflight or sched.waiting or sched.num_running()):
+            break
+        driver.complete(lambda num_drafts: [7] * ((num_drafts if accept_all else 0) + 1))
+        check_all(driver)
+    check_drained_blocks(driver)
+    assert len(driver.finished) == 10
+    return driver
+
+
+def test_a_burst_into_a_small_pool_preempts_and_resumes_every_request_once():
+    """Not vacuous: with 16 blocks every mode preempts, and with prefix caching every pool finds blocks again
+    (the prompts share their starts, and a resumed request finds its own)."""
+    for mode in ("psd", "sd_split", "sd", "ar"):
+        for prefix_caching in (False, True):
+            driver = burst(mode, 16, prefix_caching)
+            sched = driver.sched
+            assert sched.counters["preemptions"] > 0, mode
+            assert all(driver.admissions[id(s)] == s.request.num_preemptions + 1 for s in driver.states)
+            assert set(sched.kv) == ({KVRole.TARGET} if mode == "ar" else {KVRole.TARGET, KVRole.DRAFT})
+            for pool in sched.kv.values():
+                assert (pool.hit_tokens > 0) == prefix_caching, (mode, pool.hit_tokens)
+            # psd split while it could (max_batch 3, ten requests): the balance was checked after every step
+            if mode == "psd":
+                assert sched.counters["balance_violations"] == 0
+
+
+# ---- the runtime ------------------------------------------------------------------------------------------
+# blocks of 4 tokens, 18 per model: the longest request (45 prompt tokens + 9) fits alone (max_len becomes
+# 17 * 4 - 10 = 58), three or six of them at once do not
+SMALL_POOL = {"block_size": 4, "num_kv_blocks": 18}
+
+
+@pytest.mark.parametrize("mode", ["sd", "sd_split", "psd"])
+def test_greedy_with_preemption_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    """A pool far smaller than the batches need: requests are preempted mid-generation, resumed by recompute (the
+    drafter catching up), and every token is ar's; psd splits and keeps its balance through it."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1, **SMALL_POOL,
+              **({"psd_high_load": "psd"} if mode == "psd" else {}))
+    try:
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+        info = settled(llm)
+        assert info["preemptions"] > 0, info
+        assert info["max_len"] == 17 * 4 - HEADROOM
+        # every block back: none held once nothing runs
+        assert info["kv_cache"]["target"]["blocks_in_use"] == info["kv_cache"]["draft"]["blocks_in_use"] == 0
+        if mode == "psd":
+            history = llm.history()
+            assert any(h.regime == "psd" for h in history)
+            check_balance(history, max_batch=3)
+            assert info["balance_violations"] == 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(tiny_llama):
+    """A 22-token system prompt and suffixes (blocks of 4: five shared blocks, the prompts diverge inside the
+    sixth), a repeated prompt, and a prompt of whole blocks that is a prefix of the others."""
+    from minedraft_ray.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    system = tok.encode("You are a helpful assistant. Answer briefly and well.")[:22]
+    assert len(system) == 22
+    suffixes = ["What is 2+2?", "Name a colour.", "What is 2+2?", "Hi", "Why?"]
+    return [system + tok.encode(s) for s in suffixes] + [system[:20]]
+
+
+@pytest.mark.parametrize("mode", ["sd", "psd"])   # the drafter beside the target, and on its own actor
+def test_prefix_cache_keeps_greedy_output_and_hits_in_both_models(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                  shared_prefix_prompts, mode):
+    """Caching on: later requests map the system prompt's blocks in the target's and the drafter's pools instead
+    of recomputing them, and every token is the uncached ar engine's. max_len is the model's context (the CPU's
+    pool holds far more)."""
+    params = greedy(12)
+    want = Engine(tiny_llama, mode="ar", max_batch=2, device="cpu").generate(shared_prefix_prompts, params)
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=2, torch_threads=1, block_size=4,
+              prefix_caching=True)
+    try:
+        outs = llm.generate(shared_prefix_prompts, params)
+        assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+        info = settled(llm)
+        kv = info["kv_cache"]
+        # two run at once and miss; the four admitted after them find at least the system prompt's five blocks
+        for model in ("target", "draft"):
+            assert kv[model]["hit_tokens"] >= 4 * 20, kv
+            assert 0 < kv[model]["hit_rate"] < 1 and kv[model]["blocks_in_use"] == 0, kv
+        assert info["max_len"] == 2048   # the tiny models' max_position_embeddings
+        if mode == "psd":
+            check_kv_usage_counts_blocks(llm, shared_prefix_prompts[0])
+    finally:
+        llm.shutdown()
+
+
+def check_kv_usage_counts_blocks(llm, prompt):
+    """vllm:kv_cache_usage_perc, as the ingress sets it from the engine's info at a scrape, is the share of the
+    target's blocks that requests hold, not of its slots."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minedraft_ray.serve.vllm_metrics import APIMetrics
+
+    async def mid_stream():
+        async for out in llm.stream(prompt, greedy(200), "kv-usage"):
+            if out.new_token_ids and not out.finished:
+                return llm.info()
+
+    info = asyncio.run(mid_stream())
+    llm.abort("kv-usage")
+    target = info["kv_cache"]["target"]
+    assert target["blocks_in_use"] > 0 and info["slots_in_use"] == 1, info
+    metrics = APIMetrics("tiny", 3)
+    metrics.set_engine_state(info)
+    scraped = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert scraped["vllm:kv_cache_usage_perc"] == target["blocks_in_use"] / target["blocks"]
+    assert scraped["vllm:kv_cache_usage_perc"] != info["slots_in_use"] / info["num_slots"]
+
+
+def test_a_max_len_the_pool_cannot_hold_is_refused(ray_cluster, tiny_llama):
+    """18 blocks of 4 hold one request of 58 tokens: max_len 100 is an error at start, and the engine's placement
+    group (and with it every actor in it) is removed."""
+    import ray
+
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(Exception, match="KV pool holds 58"):
+        LLM(tiny_llama, None, mode="ar", max_batch=2, torch_threads=1, max_len=100, **SMALL_POOL)
+    created = {pg: state for pg, state in ray.util.placement_group_table().items() if pg not in before}
+    assert created and all(state["state"] == "REMOVED" for state in created.values()), created
