@@ -236,11 +236,12 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import KVEdits, PrefillRow, SamplingRow, SpecWorker, WorkerConfig
+    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, SamplingRow, SpecWorker, WorkerConfig,
+                                               shared_vocab)
 
-    cfg = WorkerConfig.of(EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3,
-                                       max_batch=4, device="cpu", torch_threads=1,
-                                       draft_temperature=draft_temperature))
+    engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
+                          device="cpu", torch_threads=1, draft_temperature=draft_temperature)
+    cfg = WorkerConfig(engine.model_dump(), shared_vocab(engine))
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
@@ -277,12 +278,13 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, PrefillRow, VerifierResult, WorkerConfig
+    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, PrefillRow, VerifierResult, WorkerConfig,
+                                               shared_vocab)
 
     k = 3
-    cfg = WorkerConfig.of(EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k,
-                                       max_batch=4, device="cpu", torch_threads=1,
-                                       draft_temperature=draft_temperature))
+    engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
+                          device="cpu", torch_threads=1, draft_temperature=draft_temperature)
+    cfg = WorkerConfig(engine.model_dump(), shared_vocab(engine))
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
     ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)], whole_tables(ahead, "draft", slots, 64))

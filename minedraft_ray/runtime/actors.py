@@ -34,9 +34,10 @@ async def wait_for(ref, what: str, timeout_s: float):
 
 class WorkerActors:
     def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
-                 placement_group: PlacementGroup | None):
+                 placement_group: PlacementGroup | None, vocab_limit: int | None):
+        """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked before the engine started."""
         self.config, self.num_slots, self.channel, self.workers = config, num_slots, channel, workers
-        self.worker_config = WorkerConfig.of(config)   # the pair checked once here, not in every actor
+        self.worker_config = WorkerConfig(config.model_dump(), vocab_limit)
         self.mode = config.mode
         self.pg, self.own_pg = placement_group, False
         self.verifier = self.drafter = None

@@ -220,20 +220,22 @@ class VerifierResult:
     draft_ms: float = 0.0     # sd: the draft half of the step
 
 
+def shared_vocab(config: EngineConfig) -> int | None:
+    """The ids both the target and the draft may emit (None without a drafter); IncompatiblePairError unless the
+    draft's ids mean the target's text. Checked once, by whoever starts the engine (LLM, the Serve app builder),
+    where the tokenizer is loaded anyway: the manager and the worker actors start without transformers, whose
+    import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart)."""
+    if not config.uses_drafter:
+        return None
+    return check_pair(resolve_model(config.target, config.revision, config.download_dir),
+                      resolve_model(config.draft, config.draft_revision, config.download_dir)).shared_vocab
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What each of an engine's worker actors starts from: the engine's settings, and the tokens its target and
-    draft share, from the one check of the pair made before they start (a check in every actor would load both
-    tokenizers there, transformers' import included, in each actor start and each drafter restart)."""
+    """What each of an engine's worker actors starts from: the engine's settings and its pair's shared_vocab."""
     settings: dict                # EngineConfig.model_dump()
     vocab_limit: int | None       # ids both models may emit; None without a drafter
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> WorkerConfig:
-        """Checks the pair (IncompatiblePairError) when the mode drafts."""
-        vocab_limit = check_pair(resolve_model(config.target), resolve_model(config.draft)).shared_vocab \
-            if config.uses_drafter else None
-        return cls(config.model_dump(), vocab_limit)
 
 
 class _Worker:
