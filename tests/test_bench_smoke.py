@@ -1,7 +1,7 @@
 """bench/psd_vs_sd.py in its --smoke form on the CPU (tiny models, the session's Ray cluster with its fake GPUs),
 run in this process as several commands into one folder: each command's rows merge by configuration, every
 column is written, the markdown names each command and the plot is drawn; request i gets the same synthetic
-acceptance draws in every mode that drafts for it. The statistics and the merge are checked without Ray."""
+acceptance draws in every mode that drafts for it (psd, and sd over two replicas). The statistics and the merge are checked without Ray."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -13,7 +13,7 @@ from bench.psd_vs_sd import COLUMNS, main, merge, steady_stats
 def smoke(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("psd_vs_sd")
     commands = ["--mode psd --ks 1 --loads 0.3,0.9 --online-s 1",   # closed, then online at 2 loads
-                "--mode sd --ks 1", "--mode sd --ks 1 --replicas 2", "--mode ar", "--mode sd --ks 2 --acceptance real"]
+                "--mode sd --ks 1 --replicas 2", "--mode ar", "--mode sd --ks 2 --acceptance real"]
     for command in commands:
         assert main(["--smoke", "--m", "2", "--waves", "2", "--out", str(out), *command.split()]) == 0
     return out, pq.read_table(out / "psd_vs_sd.parquet").to_pylist()
@@ -30,8 +30,8 @@ def test_files_and_columns(smoke):
     md = (out / "psd_vs_sd.md").read_text()
     for heading in ("## Commands", "## Closed workload", "## Online (Poisson arrivals)", "## Real acceptance"):
         assert heading in md
-    assert md.count("`python -m bench.psd_vs_sd --smoke") == 5
-    assert len(rows) == 7 and all(r["status"] == "ok" and r["git_sha"] for r in rows)
+    assert md.count("`python -m bench.psd_vs_sd --smoke") == 4
+    assert len(rows) == 6 and all(r["status"] == "ok" and r["git_sha"] for r in rows)
 
 
 def test_closed_rows(smoke):
@@ -49,11 +49,11 @@ def test_closed_rows(smoke):
 
 def test_synthetic_acceptance_is_shared_across_modes(smoke):
     _, rows = smoke
-    sd = find(rows, mode="sd", workload="closed", acceptance="synthetic")[0]
+    psd = find(rows, mode="psd", workload="closed", acceptance="synthetic")[0]
     dp = find(rows, mode="sd_dp2", workload="closed")[0]
-    assert sd["alpha"] == 0.8 and 0.5 < sd["acceptance_rate"] < 1
-    # same requests (seed i), split over two replicas: the very same draws
-    assert dp["acceptance_rate"] == sd["acceptance_rate"] and dp["n_gpus"] == 2
+    assert psd["alpha"] == 0.8 and 0.5 < psd["acceptance_rate"] < 1
+    # same requests (seed i) in another mode, split over two replicas: the very same draws
+    assert dp["acceptance_rate"] == psd["acceptance_rate"] and dp["n_gpus"] == 2
 
 
 def test_online_and_real(smoke):

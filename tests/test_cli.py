@@ -178,12 +178,36 @@ def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
                           json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0,
                                 "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        chat = requests.post(url + "/v1/chat/completions", timeout=120,   # no max_tokens: up to the context
-                             json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
-        assert chat.status_code == 200 and chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        # no max_tokens: up to the engine's context limit (which may be below the config's max_len), from a prompt
+        # that leaves a few tokens of it, so the run is short
+        limit = models["data"][0]["max_model_len"]
+        messages = [{"role": "user", "content": content_of_tokens(limit - 8)}]
+        chat = requests.post(url + "/v1/chat/completions", timeout=120, json={"model": model, "messages": messages})
+        assert chat.status_code == 200, chat.text
+        usage = chat.json()["usage"]
+        assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert limit - 16 < usage["prompt_tokens"] and usage["prompt_tokens"] + usage["completion_tokens"] <= limit
     finally:
         code = cmd.interrupt()
     assert code == 0 and "shutting down" in cmd.output()
+
+
+def content_of_tokens(n: int) -> str:
+    """A user message that the default pair's chat template makes a prompt of at most n tokens, and more than
+    n - 8."""
+    from minedraft_ray.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(EngineConfig().target)
+
+    def prompt_len(words: int) -> int:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi " * words}], add_generation_prompt=True,
+                                       tokenize=False)
+        return len(tok.encode(text, add_special_tokens=False))
+
+    per_word = prompt_len(101) - prompt_len(100)
+    words = (n - prompt_len(0)) // per_word
+    assert n - 8 < prompt_len(words) <= n, (n, words, prompt_len(words))
+    return "hi " * words
 
 
 def check_locked_down(cmd: "Command", out: str, dashboard_port: int) -> None:

@@ -29,6 +29,16 @@ def test_make_bundles():
 
 
 SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 512 tokens, sent packed
+# psd over the object store, split at every load: one engine for the tests that leave it as they found it (the
+# greedy check, staggered arrivals and aborts, k reconfigured in place; an engine's start is most of such a test)
+SHARED_PSD = {"mode": "psd", "k": 3, "max_batch": 3, "psd_low_load": "psd", "psd_high_load": "psd"}
+
+
+@pytest.fixture(scope="module")
+def shared_psd(ray_cluster, tiny_llama, tiny_llama_draft):
+    llm = LLM(tiny_llama, tiny_llama_draft, torch_threads=1, **SHARED_PSD)
+    yield llm
+    llm.shutdown()
 
 
 # every mode, every channel, greedy and sampled drafts, each at least once (suite time: not every pairing)
@@ -37,12 +47,15 @@ SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 
     ("sd_split", "collective", {}), ("psd", "collective", SAMPLED_DRAFTS), ("sd_split", "ray_collective", {}),
     ("psd", "ray_collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
                                             if isinstance(v, dict) else None)
-def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport, drafting):
-    # psd splits whenever more than one batch's worth runs (psd_high_load=psd): the split's output is checked;
-    # with probabilistic drafting the drafts (and their packed q) travel the link, and greedy output is still ar's
-    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}),
-              **drafting)
+def test_greedy_modes_equal_ar(request, ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport,
+                               drafting):
+    # psd splits whenever more than one batch's worth runs (psd_high_load=psd; the shared engine at every load): the
+    # split's output is checked; with probabilistic drafting the drafts (and their packed q) travel the link, and
+    # greedy output is still ar's
+    shared = (mode, transport, drafting) == ("psd", "object_store", {})
+    llm = request.getfixturevalue("shared_psd") if shared else LLM(
+        tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1,
+        transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}), **drafting)
     try:
         if mode in ("psd", "sd_split"):
             gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}
@@ -75,7 +88,8 @@ def test_greedy_modes_equal_ar(ray_cluster, tiny_llama, tiny_llama_draft, refere
             # the channel's rendezvous and sockets: nothing of either actor listens on every interface
             assert links_listening_everywhere(llm) == {"verifier": [], "drafter": []}
     finally:
-        llm.shutdown()
+        if not shared:
+            llm.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # ar's chain is sd's without drafts (suite time)
@@ -147,11 +161,11 @@ def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
     assert order.next_seq == 4
 
 
-def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_draft, reference):
+def test_psd_staggered_arrivals_and_aborts(shared_psd, reference):
     # psd at every load (no sequential batch, low or high load): the balance invariant through arrivals, finishes,
     # aborts
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, psd_low_load="psd", psd_high_load="psd",
-              torch_threads=1)
+    llm = shared_psd
+    aborted_before = llm.info()["aborted"]
 
     async def run_one(i, delay, abort_after=None):
         await asyncio.sleep(delay)
@@ -169,21 +183,18 @@ def test_psd_staggered_arrivals_and_aborts(ray_cluster, tiny_llama, tiny_llama_d
         jobs += [run_one(1, 0.02, abort_after=4), run_one(4, 0.3, abort_after=2)]
         return await asyncio.gather(*jobs)
 
-    try:
-        results = asyncio.run(main())
-        for i, (ids, last) in enumerate(results[:len(PROMPTS)]):
-            assert ids == reference[i].token_ids, i
-            assert last.finished and last.finish_reason == "length"
-        for ids, last in results[len(PROMPTS):]:
-            assert last.finish_reason == "abort"
-            assert len(ids) < 40
-        history = llm.history()
-        check_balance(history)
-        info = settled(llm)
-        assert info["balance_violations"] == 0 and info["aborted"] == 2
-        assert info["slots_in_use"] == 0 and info["running"] == 0
-    finally:
-        llm.shutdown()
+    results = asyncio.run(main())
+    for i, (ids, last) in enumerate(results[:len(PROMPTS)]):
+        assert ids == reference[i].token_ids, i
+        assert last.finished and last.finish_reason == "length"
+    for ids, last in results[len(PROMPTS):]:
+        assert last.finish_reason == "abort"
+        assert len(ids) < 40
+    history = llm.history()
+    check_balance(history)
+    info = settled(llm)
+    assert info["balance_violations"] == 0 and info["aborted"] - aborted_before == 2
+    assert info["slots_in_use"] == 0 and info["running"] == 0
 
 
 def test_default_pair_loads_and_psd_equals_ar(ray_cluster):
@@ -202,8 +213,8 @@ def test_default_pair_loads_and_psd_equals_ar(ray_cluster):
         llm.shutdown()
 
 
-def test_reconfigure_k_in_place(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=1, max_batch=2, torch_threads=1)
+def test_reconfigure_k_in_place(shared_psd, reference_10):
+    llm = shared_psd
     try:
         pid = llm.worker_info["verifier"]["pid"]
         for k in (1, 4):
@@ -214,7 +225,7 @@ def test_reconfigure_k_in_place(ray_cluster, tiny_llama, tiny_llama_draft, refer
                        for o in outs) == k
         assert ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.worker_info))["verifier"]["pid"] == pid
     finally:
-        llm.shutdown()
+        llm.reconfigure(k=SHARED_PSD["k"])   # as the module's other tests found it
 
 
 @pytest.mark.parametrize("draft_temperature", [0.0, 0.8])
@@ -225,10 +236,12 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import KVEdits, PrefillRow, SamplingRow, SpecWorker
+    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, SamplingRow, SpecWorker, WorkerConfig,
+                                               shared_vocab)
 
-    cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
-                       device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
+    engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
+                          device="cpu", torch_threads=1, draft_temperature=draft_temperature)
+    cfg = WorkerConfig(engine.model_dump(), shared_vocab(engine))
     state_worker, host_worker = SpecWorker(cfg, 4), SpecWorker(cfg, 4)
     prompts = [[5, 17, 42, 9], [3] * 11, [7, 8]]
     slots, greedy_rows = [2, 0, 3], [SamplingRow(0.0, 1.0, 0, s) for s in range(3)]
@@ -265,11 +278,13 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import DraftRound, DrafterWorker, KVEdits, PrefillRow, VerifierResult
+    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, KVEdits, PrefillRow, VerifierResult,
+                                               WorkerConfig, shared_vocab)
 
     k = 3
-    cfg = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
-                       device="cpu", torch_threads=1, draft_temperature=draft_temperature).model_dump()
+    engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
+                          device="cpu", torch_threads=1, draft_temperature=draft_temperature)
+    cfg = WorkerConfig(engine.model_dump(), shared_vocab(engine))
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
     ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)],

@@ -99,21 +99,35 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
         llm.shutdown()
 
 
+# sd with every output streamed as it comes: one engine for seeded sampling and the unmerged stream (an engine's
+# start is most of either test); generate() collects outputs without the stream interval
+SHARED_SD = {"mode": "sd", "k": 3, "max_batch": 3, "stream_interval_ms": 0.0}
+
+
+@pytest.fixture(scope="module")
+def shared_sd(ray_cluster, tiny_llama, tiny_llama_draft):
+    llm = LLM(tiny_llama, tiny_llama_draft, torch_threads=1, **SHARED_SD)
+    yield llm
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["psd", "sd", "ar"])
-def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_llama, tiny_llama_draft, mode):
+def test_seeded_sampling_is_the_same_in_every_mode_and_load(request, ray_cluster, tiny_llama, tiny_llama_draft, mode):
     """Greedy drafting samples the target with the noise plain decoding uses at each position, so a
     seeded request gives the in-process ar text through the runtime in every mode, alone or among others
     (whatever the draft schedule, and with sd/ar steps queued ahead from the verifier's slot state)."""
     params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + i)
               for i in range(len(PROMPTS))]
     ar = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, params)
-    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1)
+    shared = mode == "sd"
+    llm = request.getfixturevalue("shared_sd") if shared else LLM(
+        tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1)
     try:
         crowd = llm.generate(PROMPTS, params)
         alone = llm.generate(PROMPTS[2], params[2])[0]
     finally:
-        llm.shutdown()
+        if not shared:
+            llm.shutdown()
     assert [o.token_ids for o in crowd] == [o.token_ids for o in ar]
     assert alone.token_ids == ar[2].token_ids
     assert (sum(o.stats["accepted"] for o in crowd) > 0) == (mode != "ar")
@@ -121,12 +135,14 @@ def test_seeded_sampling_is_the_same_in_every_mode_and_load(ray_cluster, tiny_ll
 
 
 @pytest.mark.parametrize("interval_ms", [0.0, 150.0])
-def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, tiny_llama, tiny_llama_draft,
-                                                                   reference, interval_ms):
+def test_stream_interval_merges_outputs_but_not_the_first_or_last(request, ray_cluster, tiny_llama,
+                                                                   tiny_llama_draft, reference, interval_ms):
     """Streamed outputs come at most one per stream_interval_ms (each costs a Ray hop per request); the
     first tokens and the finish are not held back, and the tokens are the same."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=2, max_batch=2, torch_threads=1,
-              stream_interval_ms=interval_ms)
+    shared = interval_ms == SHARED_SD["stream_interval_ms"]
+    llm = request.getfixturevalue("shared_sd") if shared else LLM(
+        tiny_llama, tiny_llama_draft, mode="sd", k=2, max_batch=2, torch_threads=1, stream_interval_ms=interval_ms)
+    steps_before = len([h for h in llm.history() if h.regime == "sd"])
 
     async def main():
         t0, items = time.perf_counter(), []
@@ -138,7 +154,7 @@ def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, t
         items = asyncio.run(main())
         tokens = [t for _, out in items for t in out.new_token_ids]
         assert tokens == reference[1].token_ids and items[-1][1].finished
-        steps = len([h for h in llm.history() if h.regime == "sd"])
+        steps = len([h for h in llm.history() if h.regime == "sd"]) - steps_before
         if interval_ms:
             gaps = [b - a for (a, _), (b, _) in zip(items[:-2], items[1:-1])]   # the last may come early
             assert all(g >= 0.6 * interval_ms / 1e3 for g in gaps), gaps   # merged (steps are ~10 ms here)
@@ -148,7 +164,8 @@ def test_stream_interval_merges_outputs_but_not_the_first_or_last(ray_cluster, t
             # gets what queued up for it in one item, so "one per step" is an upper bound, not a count
             assert 1 < len(items) <= steps + 1
     finally:
-        llm.shutdown()
+        if not shared:
+            llm.shutdown()
 
 
 def test_outputs_queued_for_a_slow_consumer_are_merged():

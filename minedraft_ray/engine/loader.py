@@ -141,9 +141,11 @@ def load_model(path, device, dtype: torch.dtype | None = None, tp=None) -> Trans
         cfg = dataclasses.replace(cfg, dtype=dtype)
     device = torch.device(device)
 
-    with torch.device("meta"):
+    # built on its device, where initialising the weights that are then loaded costs little; on the meta device
+    # the initialisers run torch's Python reference kernels, whose first call imports torch._dynamo (over a second
+    # of CPU in every process that loads a model: more than a small model's whole load)
+    with torch.device(device):
         model = Transformer(cfg, tp)
-    model.to_empty(device=device)
     model.rope_cache = rope_cos_sin(cfg, device)
     if random_weights:
         init_random_(model, seed=tp.rank if tp else 0)

@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from .placement import actor_options, create_placement_group
 from .rendezvous import Rendezvous
 from .transport import DraftChannel
-from .workers import TargetRank, WorkerSet
+from .workers import TargetRank, WorkerConfig, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -34,8 +34,10 @@ async def wait_for(ref, what: str, timeout_s: float):
 
 class WorkerActors:
     def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
-                 placement_group: PlacementGroup | None):
+                 placement_group: PlacementGroup | None, vocab_limit: int | None):
+        """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked before the engine started."""
         self.config, self.num_slots, self.channel, self.workers = config, num_slots, channel, workers
+        self.worker_config = WorkerConfig(config.model_dump(), vocab_limit)
         self.mode = config.mode
         self.pg, self.own_pg = placement_group, False
         self.verifier = self.drafter = None
@@ -62,12 +64,12 @@ class WorkerActors:
         if tp > 1:
             self.tp_group = group["tp_group"] = Rendezvous.fresh("tp", START_TIMEOUT_S)
         self.verifier = cls.options(**actor_options(self.pg, self.mode, role, tp), **threads).remote(
-            self.config.model_dump(), self.num_slots, **self.workers.verifier_kwargs, **group)
+            self.worker_config, self.num_slots, **self.workers.verifier_kwargs, **group)
         waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
         rank_cls = ray.remote(max_restarts=0)(TargetRank)
         # two threads: a rank answers calls (ready, a health probe) while it follows
         self.ranks = [rank_cls.options(**actor_options(self.pg, self.mode, "rank", tp, rank), max_concurrency=2)
-                      .remote(self.config.model_dump(), self.num_slots, rank, group["tp_group"])
+                      .remote(self.worker_config, self.num_slots, rank, group["tp_group"])
                       for rank in range(1, tp)]
         rank_waits = [wait_for(r.ready.remote(), f"target rank {i + 1} start", START_TIMEOUT_S)
                       for i, r in enumerate(self.ranks)]
@@ -87,7 +89,7 @@ class WorkerActors:
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
         placement = actor_options(self.pg, self.mode, "drafter", self.config.tp)
         return self._drafter_cls.options(**placement, **threads).remote(
-            self.config.model_dump(), self.num_slots, **self.workers.drafter_kwargs)
+            self.worker_config, self.num_slots, **self.workers.drafter_kwargs)
 
     async def replace_drafter(self) -> dict:
         """Kill the drafter (if any is left) and start a new one, connected -> its info."""

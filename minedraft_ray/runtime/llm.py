@@ -21,7 +21,7 @@ from ..engine.engine import GenerationOutput
 from ..engine.sampling import SamplingParams
 from .manager import BatchManager, EngineDeadError, StepOutput
 from .placement import create_placement_group
-from .workers import WorkerSet
+from .workers import WorkerSet, shared_vocab
 
 # one output record for the in-process engine and the Ray runtime
 RequestOutput = GenerationOutput
@@ -48,8 +48,8 @@ class CollectedOutput:
 class ManagerActor:
     """Async actor hosting a BatchManager (bundle 0 of the placement group)."""
 
-    def __init__(self, config: dict, workers: WorkerSet | None = None):
-        self.manager = BatchManager(EngineConfig.model_validate(config), workers=workers)
+    def __init__(self, config: dict, vocab_limit: int | None, workers: WorkerSet | None = None):
+        self.manager = BatchManager(EngineConfig.model_validate(config), workers=workers, vocab_limit=vocab_limit)
 
     async def start(self) -> dict:
         await self.manager.start()
@@ -124,22 +124,23 @@ class LLM:
                 fields["draft"] = draft
             config = EngineConfig(**fields)
         self.config = config
+        from ..engine.loader import load_tokenizer
+        from ..engine.presets import resolve_model
+        self.tokenizer = load_tokenizer(resolve_model(config.target))
+        vocab_limit = shared_vocab(config)   # the pair checked here, beside the tokenizer, before anything starts
         init_local_ray()
         self.pg = create_placement_group(config.mode, tp=config.tp)
         self.manager = ManagerActor.options(
             num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=True),
-        ).remote(config.model_dump(), _workers)
+        ).remote(config.model_dump(), vocab_limit, _workers)
         try:
             self.worker_info = ray.get(self.manager.start.remote())
         except Exception:   # e.g. max_len does not fit the KV pools: nothing of this engine is left behind
             ray.kill(self.manager, no_restart=True)
             ray.util.remove_placement_group(self.pg)
             raise
-        from ..engine.loader import load_tokenizer
-        from ..engine.presets import resolve_model
-        self.tokenizer = load_tokenizer(resolve_model(config.target))
 
     def _encode(self, prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

@@ -29,7 +29,6 @@ from ray.util.placement_group import PlacementGroup
 from ..config import EngineConfig
 from ..engine.engine import commit_tokens, default_device, draft_rows
 from ..engine.kv_cache import CacheSizeError
-from ..engine.loader import load_tokenizer
 from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
 from ..engine.request import Request
@@ -118,9 +117,9 @@ def default_prefill_chunk(on_gpu: bool) -> int:
 
 class BatchManager:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
-                 workers: WorkerSet | None = None):
+                 workers: WorkerSet | None = None, *, vocab_limit: int | None):
+        """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked by whoever starts the engine."""
         target_dir = resolve_model(config.target)
-        self.tokenizer = load_tokenizer(target_dir)
         model_cfg = ModelConfig.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)
         self.max_len_given = config.max_len is not None
@@ -137,7 +136,8 @@ class BatchManager:
                                                k=config.k, prefix_caching=config.prefix_caching))
         self.sched.drafter_alive = False   # until the drafter is up (start)
         self.channel = make_channel(config.transport)
-        self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group)
+        self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group,
+                                   vocab_limit)
         self.requests: dict[str, RequestState] = {}
         self.streams: dict[str, OutputSink] = {}   # request id -> where its outputs go
         self.inflight: deque[InFlight] = deque()       # verifier tasks, in submission (= run) order

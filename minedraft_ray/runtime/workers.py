@@ -220,9 +220,27 @@ class VerifierResult:
     draft_ms: float = 0.0     # sd: the draft half of the step
 
 
+def shared_vocab(config: EngineConfig) -> int | None:
+    """The ids both the target and the draft may emit (None without a drafter); IncompatiblePairError unless the
+    draft's ids mean the target's text. Checked once, by whoever starts the engine (LLM, the Serve app builder),
+    where the tokenizer is loaded anyway: the manager and the worker actors start without transformers, whose
+    import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart)."""
+    if not config.uses_drafter:
+        return None
+    return check_pair(resolve_model(config.target, config.revision, config.download_dir),
+                      resolve_model(config.draft, config.draft_revision, config.download_dir)).shared_vocab
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What each of an engine's worker actors starts from: the engine's settings and its pair's shared_vocab."""
+    settings: dict                # EngineConfig.model_dump()
+    vocab_limit: int | None       # ids both models may emit; None without a drafter
+
+
 class _Worker:
-    def __init__(self, config: dict, num_slots: int):
-        self.config = EngineConfig.model_validate(config)
+    def __init__(self, config: WorkerConfig, num_slots: int):
+        self.config = EngineConfig.model_validate(config.settings)
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.device = pick_device(self.config)
@@ -232,8 +250,7 @@ class _Worker:
         if self.config.max_len is None:   # as the manager resolves it (a worker built on its own, in tests)
             context = ModelConfig.from_pretrained(self.target_dir).max_position_embeddings
             self.config = self.config.model_copy(update={"max_len": context})
-        self.vocab_limit = check_pair(self.target_dir, self.draft_dir).shared_vocab \
-            if self.config.uses_drafter else None
+        self.vocab_limit = config.vocab_limit
         # draft probabilities as they travel (draft_sample_packed): top-k pairs, or the dense vocabulary
         self._probs_width = draft_probs_width(self.vocab_limit, self.config.draft_top_k) if self.vocab_limit else 0
         # the collective channels' end (PeerLink, or ray_collective.ChannelEnd), one per drafter generation

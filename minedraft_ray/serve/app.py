@@ -55,6 +55,7 @@ from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
 from ..runtime.placement import STRATEGY, make_bundles
+from ..runtime.workers import shared_vocab
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
@@ -90,9 +91,10 @@ class Refusal:
 
 @serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
 class EngineServer:
-    async def __init__(self, config: dict):
+    async def __init__(self, config: dict, vocab_limit: int | None):
+        """vocab_limit: the pair's shared_vocab, checked by the app builder."""
         bind_replica_grpc_to_node_ip()
-        self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)))
+        self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)), vocab_limit=vocab_limit)
         await self.manager.start()
         self.mailbox_key = serve.get_replica_context().replica_id.unique_id
         self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
@@ -857,6 +859,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
     resolve_model(config.target, config.revision, config.download_dir)
     resolve_model(config.draft, config.draft_revision, config.download_dir)
+    vocab_limit = shared_vocab(config)   # an incompatible draft fails here, not in every engine replica
     if config.chat_template:   # the text travels, not a path that may exist only here
         from ..engine.loader import load_chat_template
         config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
@@ -867,7 +870,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
         ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), **hub_env}, **serve_limits(config),
         **replica_options(config), health_check_period_s=config.health_check_period_s,
         graceful_shutdown_timeout_s=config.graceful_shutdown_s,
-    ).bind(config.model_dump())
+    ).bind(config.model_dump(), vocab_limit)
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
     # the ingress outlives the engines' grace period: streams still running when the engines stop end with a
