@@ -155,6 +155,35 @@ def bar_plot(label_of, value: str, ylabel: str, title: str):
     return plot
 
 
+def plot_chunked_prefill_cpu(parquet, png) -> Path:
+    """Per mode and workload, the median CPU seconds of a pass at each budget (0: whole prompts)."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(parquet)
+    groups = sorted({(r["mode"], r["workload"]) for r in rows})
+    budgets = sorted({r["budget"] for r in rows})
+    fig, ax = plt.subplots(figsize=(1.1 * len(groups) + 2, 3.6))
+    width = 0.8 / len(budgets)
+    for i, budget in enumerate(budgets):
+        medians = [statistics.median([r["cpu_s"] for r in rows if (r["mode"], r["workload"]) == g
+                                      and r["budget"] == budget] or [0.0]) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], medians, width, label=f"budget {budget}")
+    ax.set_xticks([x + width * (len(budgets) - 1) / 2 for x in range(len(groups))], [f"{m} {w}" for m, w in groups])
+    ax.set(ylabel="CPU s per pass (median)", title="Chunked prefill vs whole prompts on the CPU")
+    ax.tick_params(axis="x", labelsize=8, rotation=20)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 def plot_gemm_sweep(parquet, png) -> Path:
     """Each variant's time relative to `linear`, per GEMM and M: below 1 is faster."""
     import matplotlib
@@ -299,6 +328,7 @@ PLOTS = {
     "serve_vs_offline": plot_serve_vs_offline,
     "serve_vs_offline_cpu": plot_serve_vs_offline,
     "gemm_sweep": plot_gemm_sweep,
+    "chunked_prefill_cpu": plot_chunked_prefill_cpu,
     "prefill_speed": bar_plot(lambda r: f"{r['prompts']}x{r['length']} {r['path']}", "wall_ms", "ms per prefill",
                               "Prefill: graphed vs eager vs packed (8B shape)"),
     "prefill_longtail": bar_plot(lambda r: r["path"], "tokens_per_s", "prompt tokens/s",
