@@ -702,12 +702,16 @@ class BatchManager:
         while not self.dead:
             try:
                 info = await self.actors.replace_drafter()
+                pool = KVPoolSpec(**info["kv_pools"]["draft"])
+                if pool.holds < self.max_len:   # requests admitted up to max_len would wait for its blocks forever
+                    raise CacheSizeError(f"the new drafter's KV pool holds {pool.holds} tokens, max_len is "
+                                         f"{self.max_len}")
             except Exception as e:
                 log.warning("drafter restart failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
                 continue
-            self.sched.drafter_up(KVPoolSpec(**info["kv_pools"]["draft"]))
+            self.sched.drafter_up(pool)
             self.counters["drafter_restarts"] += 1
             log.warning("drafter restarted; speculative decoding resumed")
             self._wake.set()

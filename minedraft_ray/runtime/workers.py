@@ -159,10 +159,6 @@ class PrefillRow:
     resume: SlotResume | None = None
 
     @property
-    def ends_prompt(self) -> bool:
-        return self.sampling is not None
-
-    @property
     def starts_request(self) -> bool:
         """It ends a new request's prompt: the request's first token is sampled here."""
         return self.sampling is not None and self.resume is None
