@@ -8,6 +8,20 @@ from ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per test ses
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
+# `make test` (-n 2 --dist loadfile --no-loadscope-reorder) hands whole files to its two workers in collection
+# order: the slowest files go first, so that both workers end together instead of one running a long file alone
+# at the end. The other files follow in their usual order.
+SLOWEST_FIRST = ("test_cli.py", "test_runtime_faults.py", "test_cluster.py", "test_runtime_regimes.py",
+                 "test_runtime.py", "test_bench_scripts.py", "test_runtime_paging.py", "test_security.py",
+                 "test_bench_smoke.py", "test_tensor_parallel.py", "test_openai_compat.py", "test_runtime_sampling.py",
+                 "test_chunked_prefill.py", "test_serve.py", "test_ray_collective.py", "test_draft_identity.py",
+                 "test_serve_bench.py", "test_attention_triton.py", "test_tp_serve.py", "test_real_traffic_bench.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
