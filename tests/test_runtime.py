@@ -28,6 +28,24 @@ def test_make_bundles():
         make_bundles("fast")
 
 
+def test_an_incompatible_draft_is_refused_by_llm_and_the_serve_builder(tiny_llama, tiny_llama_draft, tmp_path):
+    """The pair is checked once, where the engine is started (the manager and its workers take the vocabulary it
+    shares): LLM and the Serve app builder refuse a draft whose EOS differs, before any engine starts."""
+    import json
+    import shutil
+    from minedraft_ray.engine.loader import IncompatiblePairError
+    from minedraft_ray.serve.app import build_app
+
+    draft = shutil.copytree(tiny_llama_draft, tmp_path / "other_eos")
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((draft / name).read_text())
+        (draft / name).write_text(json.dumps({**cfg, "eos_token_id": 9}))
+    with pytest.raises(IncompatiblePairError, match="EOS ids differ"):
+        LLM(tiny_llama, draft, mode="psd")
+    with pytest.raises(IncompatiblePairError, match="EOS ids differ"):
+        build_app({"target": str(tiny_llama), "draft": str(draft), "mode": "psd"})
+
+
 SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 512 tokens, sent packed
 # psd over the object store, split at every load: one engine for the tests that leave it as they found it (the
 # greedy check, staggered arrivals and aborts, k reconfigured in place; an engine's start is most of such a test)
