@@ -89,27 +89,47 @@ def test_a_burst_into_a_small_pool_preempts_and_resumes_every_request_once():
 SMALL_POOL = {"block_size": 4, "num_kv_blocks": 18}
 
 
-@pytest.mark.parametrize("mode", ["sd", "sd_split", "psd"])
+@pytest.fixture(scope="module")
+def psd_small_pool(ray_cluster, tiny_llama, tiny_llama_draft):
+    """The module's psd engine (one start for its tests): the small pool, prefix caching on, the split forced
+    whenever more than one batch's worth runs."""
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=3, max_batch=3, torch_threads=1, psd_high_load="psd",
+              prefix_caching=True, **SMALL_POOL)
+    yield llm
+    llm.shutdown()
+
+
+def check_preempted_run(llm, reference) -> dict:
+    """PROMPTS through a pool far smaller than the batches need: requests are preempted mid-generation, resumed
+    by recompute (the drafter catching up), and every token is ar's."""
+    before = llm.info()["preemptions"]
+    outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    info = settled(llm)
+    assert info["preemptions"] > before, info
+    assert info["max_len"] == 17 * 4 - HEADROOM
+    # every block back: none held once nothing runs
+    assert info["kv_cache"]["target"]["blocks_in_use"] == info["kv_cache"]["draft"]["blocks_in_use"] == 0
+    return info
+
+
+@pytest.mark.parametrize("mode", ["sd", "sd_split"])
 def test_greedy_with_preemption_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
-    """A pool far smaller than the batches need: requests are preempted mid-generation, resumed by recompute (the
-    drafter catching up), and every token is ar's; psd splits and keeps its balance through it."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1, **SMALL_POOL,
-              **({"psd_high_load": "psd"} if mode == "psd" else {}))
+    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1, **SMALL_POOL)
     try:
-        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-        info = settled(llm)
-        assert info["preemptions"] > 0, info
-        assert info["max_len"] == 17 * 4 - HEADROOM
-        # every block back: none held once nothing runs
-        assert info["kv_cache"]["target"]["blocks_in_use"] == info["kv_cache"]["draft"]["blocks_in_use"] == 0
-        if mode == "psd":
-            history = llm.history()
-            assert any(h.regime == "psd" for h in history)
-            check_balance(history, max_batch=3)
-            assert info["balance_violations"] == 0
+        check_preempted_run(llm, reference)
     finally:
         llm.shutdown()
+
+
+def test_psd_with_preemption_and_prefix_caching_equals_ar(psd_small_pool, reference):
+    """psd splits and keeps its balance through preemptions; resumed requests find their own blocks cached."""
+    info = check_preempted_run(psd_small_pool, reference)
+    history = psd_small_pool.history()
+    assert any(h.regime == "psd" for h in history)
+    check_balance(history, max_batch=3)
+    assert info["balance_violations"] == 0
+    assert info["kv_cache"]["target"]["hit_tokens"] > 0 and info["kv_cache"]["draft"]["hit_tokens"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -127,28 +147,33 @@ def shared_prefix_prompts(tiny_llama):
 
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # the drafter beside the target, and on its own actor
 def test_prefix_cache_keeps_greedy_output_and_hits_in_both_models(ray_cluster, tiny_llama, tiny_llama_draft,
-                                                                  shared_prefix_prompts, mode):
-    """Caching on: later requests map the system prompt's blocks in the target's and the drafter's pools instead
-    of recomputing them, and every token is the uncached ar engine's. max_len is the model's context (the CPU's
-    pool holds far more)."""
+                                                                  shared_prefix_prompts, mode, request):
+    """Caching on: requests admitted after the first map the system prompt's blocks in the target's and the
+    drafter's pools instead of recomputing them, and every token is the uncached ar engine's. sd on the default
+    pool, whose max_len is the model's context (the CPU's pool holds far more); psd on the small pool."""
     params = greedy(12)
-    want = Engine(tiny_llama, mode="ar", max_batch=2, device="cpu").generate(shared_prefix_prompts, params)
-    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=2, torch_threads=1, block_size=4,
-              prefix_caching=True)
+    want = [o.token_ids for o in Engine(tiny_llama, mode="ar", max_batch=2, device="cpu").generate(
+        shared_prefix_prompts, params)]
+    llm = request.getfixturevalue("psd_small_pool") if mode == "psd" else \
+        LLM(tiny_llama, tiny_llama_draft, mode=mode, k=3, max_batch=2, torch_threads=1, block_size=4,
+            prefix_caching=True)
     try:
-        outs = llm.generate(shared_prefix_prompts, params)
-        assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+        before = settled(llm)["kv_cache"]
+        first = llm.generate(shared_prefix_prompts[:1], params)   # alone: the others find its blocks
+        rest = llm.generate(shared_prefix_prompts[1:], params)
+        assert [o.token_ids for o in first + rest] == want
         info = settled(llm)
         kv = info["kv_cache"]
-        # two run at once and miss; the four admitted after them find at least the system prompt's five blocks
-        for model in ("target", "draft"):
-            assert kv[model]["hit_tokens"] >= 4 * 20, kv
+        for model in ("target", "draft"):   # at least the system prompt's five blocks, for each later request
+            assert kv[model]["hit_tokens"] - before[model]["hit_tokens"] >= 5 * 20, kv
             assert 0 < kv[model]["hit_rate"] < 1 and kv[model]["blocks_in_use"] == 0, kv
-        assert info["max_len"] == 2048   # the tiny models' max_position_embeddings
-        if mode == "psd":
+        if mode == "sd":
+            assert info["max_len"] == 2048   # the tiny models' max_position_embeddings
+        else:
             check_kv_usage_counts_blocks(llm, shared_prefix_prompts[0])
     finally:
-        llm.shutdown()
+        if mode != "psd":
+            llm.shutdown()
 
 
 def check_kv_usage_counts_blocks(llm, prompt):
@@ -159,7 +184,7 @@ def check_kv_usage_counts_blocks(llm, prompt):
     from minedraft_ray.serve.vllm_metrics import APIMetrics
 
     async def mid_stream():
-        async for out in llm.stream(prompt, greedy(200), "kv-usage"):
+        async for out in llm.stream(prompt, greedy(20), "kv-usage"):
             if out.new_token_ids and not out.finished:
                 return llm.info()
 

@@ -310,7 +310,8 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
                 # a request's period spans both batches' verifies: half the budget each
                 assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
         for c in prefill.chunks:
-            assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, f"{c.state.id}: chunk gap or overlap"
+            assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
+                f"{c.state.id}: chunk gap or overlap"
             driver.planned[id(c.state)] = c.stop
         if i < len(prefills) - 1:
             assert not decoding and not any(c.last for c in prefill.chunks), "two prefills rode one step"

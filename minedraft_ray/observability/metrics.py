@@ -259,14 +259,14 @@ class EngineMetrics:
             else:
                 entry[2] += amount
 
-    def _set(self, gauge: Gauge, value: float, batch: int | str | None = None) -> None:
-        """Set a gauge when its value changed; the refresher re-reports unchanged ones. batch: the series' key in
+    def _set(self, gauge: Gauge, value: float, series: int | str | None = None) -> None:
+        """Set a gauge when its value changed; the refresher re-reports unchanged ones. series: its key in
         `_gauge_tags` (a batch, or a KV pool's model)."""
-        key = (id(gauge), batch)
+        key = (id(gauge), series)
         entry = self._gauge_values.get(key)
         if entry is not None and entry[2] == value:
             return
-        tags = self._gauge_tags[batch]
+        tags = self._gauge_tags[series]
         with self._lock:
             self._gauge_values[key] = (gauge, tags, value)
         gauge.set(value, tags)

@@ -114,7 +114,7 @@ class RequestState:
     prefill_len: int = 0             # tokens to prefill: the prompt, or every token but the newest when resumed
     cached_tokens: int = 0           # of those, found in the prefix cache (mapped, not recomputed)
     prefilled: int = 0               # of those, in the KV once the tasks committed so far ran
-    blocks_cover: int = -1           # the longest length (plus a step) its blocks cover in every pool (Scheduler._reserve)
+    blocks_cover: int = -1           # the longest length (plus a step) its blocks cover in every pool (_reserve)
 
     @property
     def id(self) -> str:
