@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import ray
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -473,3 +474,21 @@ def test_vllm_bench_serve(server, hf_home, tmp_path, backend, endpoint):
     assert result["completed"] == 24 and result.get("failed", 0) == 0, run.stdout[-3000:]
     assert result["total_output_tokens"] == 24 * 12
     assert time.monotonic() - start < 60
+
+
+def test_serving_processes_freeze_their_startup_heap(server):
+    """The ingress and the engine replica's manager keep what startup built out of the collector's scans (a full
+    collection over it stalls every stream they serve), and say so on Ray's metrics export."""
+    node = ray.nodes()[0]
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    frozen: dict[str, float] = {}
+    deadline = time.monotonic() + 40   # Ray's metrics agent exports every ~10 s
+    while time.monotonic() < deadline:
+        text = requests.get(url, timeout=10).text
+        frozen = {s.labels["process"]: s.value for family in text_string_to_metric_families(text)
+                  for s in family.samples
+                  if s.name == "ray_minedraft_gc_frozen_objects" and s.labels.get("model") == TARGET_ID}
+        if {"ingress", "manager"} <= frozen.keys():
+            break
+        time.sleep(1)
+    assert frozen.get("ingress", 0) > 1000 and frozen.get("manager", 0) > 1000, frozen

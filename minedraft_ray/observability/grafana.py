@@ -189,6 +189,12 @@ def build_dashboard() -> Dashboard:
         .with_panel(_timeseries("Preemptions", "ops", [
             (f"sum by (replica) (rate(ray_minedraft_preemptions_total{{{SEL}}}[{RATE}]))", "{{replica}}")],
             "requests preempted per second when a KV pool ran short (recomputed when resumed)"))
+        .with_panel(_timeseries("Collector pauses", "s", _quantiles("ray_minedraft_gc_pause_seconds", by="process"),
+                                "garbage-collector pauses of the ingress and the manager (full collections, young "
+                                "ones of >= 1 ms): every stream the process serves stalls meanwhile"))
+        .with_panel(_timeseries("Objects frozen at startup", "short", [
+            (f"max by (process) (ray_minedraft_gc_frozen_objects{{{SEL}}})", "{{process}}")],
+            "kept out of the collector's scans; 0 means every full collection scans them"))
     )
 
 

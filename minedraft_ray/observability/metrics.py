@@ -86,6 +86,12 @@ SERIES = {
     "ray_minedraft_prefix_cache_hits_total": ("counter", "of those, tokens found cached (mapped, not recomputed)"),
     "ray_minedraft_preemptions_total": (
         "counter", "requests preempted when a KV pool ran short (blocks freed, recomputed when resumed)"),
+    # per process whose event loop serves streams (`process`: ingress | manager; heap.py)
+    "ray_minedraft_gc_pause_seconds": (
+        "histogram", "garbage-collector pauses of `generation` (full ones, and young ones of >= 1 ms): the process "
+                     "stalls meanwhile"),
+    "ray_minedraft_gc_frozen_objects": (
+        "gauge", "objects kept out of the collector's scans since startup (0: every full collection scans them)"),
 }
 
 

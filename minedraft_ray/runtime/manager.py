@@ -17,7 +17,6 @@ The manager is a plain asyncio object so it can live in a Serve replica or in an
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import statistics
 import time
@@ -33,6 +32,7 @@ from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
 from ..engine.request import Request
 from ..engine.sampling import SamplingParams
+from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
 from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
@@ -162,6 +162,7 @@ class BatchManager:
         self._rank_watches: list[asyncio.Task] = []
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
+        self.collector = CollectorWatch("manager", config.served_model_name, config.mode)
 
     # ---- what others read ----------------------------------------------------------------------
     @property
@@ -213,8 +214,7 @@ class BatchManager:
         loop = asyncio.get_running_loop()
         self._rank_watches = [loop.create_task(self._watch_rank(rank, ref))
                               for rank, ref in enumerate(self.actors.follows, start=1)]
-        gc.collect()
-        gc.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
+        self.collector.freeze()   # the long-lived startup objects stay out of the collector's scans (no step stalls)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def _attach_kv(self) -> None:

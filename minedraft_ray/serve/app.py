@@ -53,6 +53,7 @@ from ..config import EngineConfig
 from ..engine.hub import with_local_models
 from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
+from ..observability.heap import CollectorWatch
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
 from ..runtime.placement import STRATEGY, make_bundles
 from ..runtime.workers import shared_vocab
@@ -459,6 +460,9 @@ class OpenAIServer:
         self.api_key_sha256 = api_key_sha256
         self.created = int(time.time())
         self.max_len: int | None = None   # the engine's context limit (it may lower max_len to the model's)
+        # Serve freezes what a replica's startup built once __init__ returns (RAY_SERVE_FREEZE_GC_ON_STARTUP);
+        # the watch exports the collector's pauses and that frozen count
+        self.collector = CollectorWatch("ingress", self.model_name, self.config.mode)
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
