@@ -372,11 +372,11 @@ def check_drained_blocks(driver: Driver) -> None:
         assert pool.num_available == pool.num_blocks - 1 and not any(pool.held), "blocks leaked"
     for s in driver.states:
         admitted = driver.admissions.get(id(s), 0)
-        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.num_preemptions) else 1
-        assert admitted == s.request.num_preemptions + resumes_owed, \
-            (s.id, admitted, s.request.num_preemptions, s.aborted)
+        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.stats.preemptions) else 1
+        assert admitted == s.request.stats.preemptions + resumes_owed, \
+            (s.id, admitted, s.request.stats.preemptions, s.aborted)
     assert driver.preemptions == driver.sched.counters["preemptions"] == \
-        sum(s.request.num_preemptions for s in driver.states)
+        sum(s.request.stats.preemptions for s in driver.states)
 
 
 def check_all(driver: Driver) -> None:
