@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.kv_cache import HEADROOM
+from minedraft_ray.engine.request import Request
 from minedraft_ray.runtime import LLM
-from minedraft_ray.runtime.scheduler import KVRole
+from minedraft_ray.runtime.scheduler import KVRole, RequestState
 from minedraft_ray.serve.vllm_metrics import APIMetrics
 from runtime_common import LENGTHS, PROMPTS, check_balance, greedy, settled
 from test_scheduler import BUDGETS, EVENTS, Driver, check_all, check_drained_blocks, drawn, make_scheduler, run_events
@@ -84,6 +85,34 @@ def test_a_burst_into_a_small_pool_preempts_and_resumes_every_request_once():
             assert sched.counters["balance_violations"] == 0
     assert all(preempted[mode] > 0 for mode in ("psd", "sd_split", "sd", "ar")), preempted
     assert between_chunks > 0
+
+
+@pytest.mark.parametrize("mode", ["psd", "sd"])
+def test_preempted_requests_take_no_queue_room_from_new_arrivals(mode):
+    """max_queued bounds new arrivals only: an admitted request not finished keeps its place in max_running,
+    running or preempted and waiting to resume, so the arrivals taken are max_queued plus the places of the
+    requests that finished, however many were preempted; the preempted resume before any arrival, and every
+    request finishes once."""
+    max_queued = 2
+    sched = make_scheduler(mode, 2, 2, num_blocks=14)
+    driver = Driver(sched, schedule_after_prefill=False)
+    admitted = [driver.arrive(12, 16, False) or driver.states[-1] for _ in range(sched.config.max_running)]
+    for _ in range(500):   # until they all ran and their growth preempted some, who wait to resume
+        if sched.waiting and all(s.request.stats.preemptions for s in sched.waiting):
+            break
+        driver.complete(lambda num_drafts: [7] * (num_drafts + 1))
+    resuming = list(sched.waiting)
+    assert resuming and all(s.admitted_at >= 0 for s in admitted), "no preempted request waits"
+    arrivals = []
+    while not sched.queue_full(max_queued) and len(arrivals) <= max_queued + sched.config.max_running:
+        sched.arrive(RequestState(Request(list(range(2, 10)), greedy(4))))
+        arrivals.append(sched.waiting[-1])
+    live = sum(s.id not in driver.finished for s in admitted)
+    assert len(arrivals) == max_queued + sched.config.max_running - live, (len(arrivals), len(resuming), live)
+    driver.states += arrivals
+    driver.drain(lambda num_drafts: [7] * (num_drafts + 1))
+    assert set(driver.finished) == {s.id for s in driver.states}
+    assert max(s.admitted_at for s in resuming) < min(s.admitted_at for s in arrivals)
 
 
 # ---- the runtime ------------------------------------------------------------------------------------------

@@ -392,6 +392,19 @@ class Scheduler:
     def demand(self) -> int:
         return self.num_running() + len(self.waiting)
 
+    def queue_full(self, max_queued: int) -> bool:
+        """Whether a new arrival is refused: max_queued new arrivals may wait beyond the room left in max_running.
+        A preempted request was admitted: it keeps its place in max_running while it waits to resume, in front
+        of every new arrival, so preemptions take no queue room from arrivals, and it is never refused (it does
+        not arrive again)."""
+        resuming = 0
+        for s in self.waiting:   # the preempted wait in front (`schedule` puts them back there)
+            if not s.request.stats.preemptions:
+                break
+            resuming += 1
+        arrivals = len(self.waiting) - resuming
+        return arrivals >= max_queued + max(self.config.max_running - self.num_running() - resuming, 0)
+
     def release(self, state: RequestState) -> None:
         """Free a finished request's slot and KV blocks once no task in flight still writes to them."""
         if state.status is Status.FINISHED and state.inflight == 0 and state.request.slot is not None:
