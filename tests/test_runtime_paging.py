@@ -224,9 +224,9 @@ def test_prefix_cache_keeps_greedy_output_and_hits_in_both_models(ray_cluster, t
         scraped = scrape(metrics)
         queries = scraped["vllm:prefix_cache_queries_total"] - before_info["prefix_cache_queries"]
         hits = scraped["vllm:prefix_cache_hits_total"] - before_info["prefix_cache_hits"]
-        # every prompt once; the later ones find at least the system prompt's blocks they reach (the last one,
-        # 20 tokens, four of them: the newest token is recomputed)
-        assert queries == sum(map(len, shared_prefix_prompts)) and 4 * 20 + 16 <= hits < queries, (queries, hits)
+        # every prompt once, at its first admission; the first of the later ones at least finds the system
+        # prompt's blocks (its first admission may be the only one before preemptions evict them in the small pool)
+        assert queries == sum(map(len, shared_prefix_prompts)) and 5 * 4 <= hits < queries, (queries, hits)
         if info["preemptions"] == before_info["preemptions"]:   # no request resumed: the pool counted the same
             assert hits == kv["target"]["hit_tokens"] - before["target"]["hit_tokens"]
         if mode == "sd":
