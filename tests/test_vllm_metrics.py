@@ -35,6 +35,7 @@ def test_engine_totals_are_summed_over_replicas_and_survive_a_restart():
         values = scraped(metrics)
         assert tuple(values[SERIES[key]] for key in ("prefix_cache_queries", "prefix_cache_hits",
                                                       "preemptions")) == want, (state, values)
+        assert values["vllm:prompt_tokens_cached_total"] == values["vllm:prefix_cache_hits_total"]
 
 
 def test_preemptions_per_request_from_final_stats():

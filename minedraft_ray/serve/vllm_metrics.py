@@ -17,7 +17,8 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
   vLLM's: cached blocks nobody holds count as free): the engine's own state (BatchManager.info), read at each
   scrape;
 - prefix-cache queries and hits (prompt tokens looked up / found cached, at a request's first admission, as
-  vLLM counts them: a resumed request's lookups are not counted) and preemptions: the engine's totals
+  vLLM counts them: a resumed request's lookups are not counted; the hits are the cached prompt tokens too)
+  and preemptions: the engine's totals
   (BatchManager.info), read at each scrape. A scrape reads one engine replica (the one Serve routes it to), so
   the totals are kept per replica and the counters are their sum; a replica's total that went down (its engine
   restarted) counts on from 0;
@@ -52,6 +53,7 @@ VLLM_SERIES = {
     "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
     "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
     "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
     "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
     "vllm:request_num_preemptions": ("histogram", "Histogram of the number of times a request was preempted."),
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
@@ -93,10 +95,12 @@ class APIMetrics:
                         buckets=REQUEST_LATENCY_BUCKETS).labels(**labels)
         self.request_preemptions = make(Histogram, "vllm:request_num_preemptions",
                                         buckets=REQUEST_NUM_PREEMPTIONS_BUCKETS).labels(**labels)
-        # engine totals (BatchManager.info's counter -> the series it feeds), summed over the engine replicas seen
-        self.engine_totals = {"prefix_cache_queries": make(Counter, "vllm:prefix_cache_queries").labels(**labels),
-                              "prefix_cache_hits": make(Counter, "vllm:prefix_cache_hits").labels(**labels),
-                              "preemptions": make(Counter, "vllm:num_preemptions").labels(**labels)}
+        # engine totals: BatchManager.info's counter -> the series it feeds, summed over the engine replicas seen
+        # (cached prompt tokens are the prefix cache's hits: there is no external KV here)
+        self.engine_totals = {"prefix_cache_queries": [make(Counter, "vllm:prefix_cache_queries").labels(**labels)],
+                              "prefix_cache_hits": [make(Counter, "vllm:prefix_cache_hits").labels(**labels),
+                                                    make(Counter, "vllm:prompt_tokens_cached").labels(**labels)],
+                              "preemptions": [make(Counter, "vllm:num_preemptions").labels(**labels)]}
         self._totals_seen: dict[tuple[str | None, str], int] = {}   # (engine replica, info key) -> its last total
         self.spec_decode = spec_decode
         if spec_decode:   # vLLM declares these only with a speculative config
@@ -120,10 +124,11 @@ class APIMetrics:
         self.waiting.set(info["queued"])
         pool = (info.get("kv_cache") or {}).get("target")
         self.kv_cache_usage.set(pool["blocks_in_use"] / pool["blocks"] if pool and pool["blocks"] else 0.0)
-        for key, counter in self.engine_totals.items():
+        for key, counters in self.engine_totals.items():
             total = info.get(key, 0)
             seen = self._totals_seen.get((info.get("replica"), key), 0)
-            counter.inc(total - seen if total >= seen else total)   # lower: a new engine, counting from 0
+            for counter in counters:
+                counter.inc(total - seen if total >= seen else total)   # lower: a new engine, counting from 0
             self._totals_seen[(info.get("replica"), key)] = total
 
     def render(self) -> bytes:
