@@ -102,7 +102,8 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="least time between two streamed outputs "
                                       "of a request (first and last go at once); 0: one per step")
-    max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
+    max_queued: int = Field(256, ge=0, description="new requests waiting beyond the running ones "
+                            "(preempted ones keep their place); then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
     # scale-out (Serve): data-parallel engine replicas, each with its own drafter+verifier placement group
     num_replicas: int = Field(1, ge=1, description="engine replicas (autoscaling: the initial count)")

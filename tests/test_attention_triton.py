@@ -412,10 +412,29 @@ def test_cuda_packed_graph_replay_follows_new_requests():
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
+def test_packed_tiles_follow_the_launch():
+    """128-row tiles once their programs alone fill the SMs; a short launch (a suffix over a cached prefix)
+    takes 64-row tiles; wide heads and fp32 the small tiles whatever the launch."""
+    from minedraft_ray.engine.attention_packed_triton import launch_shape
+
+    bf16 = torch.bfloat16
+    # 8B heads (32 query heads over 8 KV heads) on 132 SMs; programs = ceil(tokens * 4 / 128) * 8
+    assert launch_shape(100, 4, 8, 128, bf16, 132) == (64, 64, 8)      # 100-token suffix: 32 programs
+    assert launch_shape(512, 4, 8, 128, bf16, 132) == (64, 64, 8)      # 128 programs
+    assert launch_shape(528, 4, 8, 128, bf16, 132) == (128, 64, 8)     # 136 programs
+    assert launch_shape(8192, 4, 8, 128, bf16, 132) == (128, 64, 8)
+    assert launch_shape(528, 4, 8, 128, bf16, 264) == (64, 64, 8)      # a larger GPU wants more rows
+    for tokens in (100, 8192):
+        assert launch_shape(tokens, 4, 8, 128, torch.float32, 132) == (64, 32, 4)
+        assert launch_shape(tokens, 4, 8, 256, bf16, 132) == (64, 32, 4)
+
+
 @interpreter_only
-def test_packed_default_tiles_8b_heads(attend_packed_cpu):
-    # the tiles a GPU launch uses (128 rows of bf16, head dim 128), blocks straddling four requests
+@pytest.mark.parametrize("tiles", [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}])
+def test_packed_default_tiles_8b_heads(attend_packed_cpu, tiles):
+    # the tiles a GPU launch uses (bf16, head dim 128): this short launch's own (64 rows) and a long launch's
+    # (128 rows), blocks straddling four requests
     case = make_packed_case([(0, 0, 50), (2, 30, 9), (1, 0, 1), (3, 0, 40)], groups=4, head_dim=128,
                             dtype=torch.bfloat16, kv_heads=2, rows=80)
-    out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5)
+    out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5, **tiles)
     torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])

@@ -189,6 +189,7 @@ class Driver:
                 self.submit_to_drafter([(row.state.slot, None) for row in verify.next_round.rows])
         check_balance(self.sched)
         check_blocks(self)
+        check_resumes_first(self.sched)
 
     def _apply_edits(self, role: KVRole) -> None:
         edits = self.sched.take_edits(role)
@@ -254,6 +255,13 @@ def check_balance(sched: Scheduler) -> None:
         assert abs(a - b) <= 1, (a, b)
     if sched.mode != "psd":
         assert b == 0
+
+
+def check_resumes_first(sched: Scheduler) -> None:
+    """Preempted requests wait in front of every new arrival: admission is FIFO, so they resume first (and
+    `queue_full` counts them there)."""
+    resuming = [bool(s.request.stats.preemptions) for s in sched.waiting]
+    assert resuming == sorted(resuming, reverse=True), "a new arrival waits in front of a preempted request"
 
 
 def check_one_verify_per_request(driver: Driver) -> None:
@@ -372,11 +380,11 @@ def check_drained_blocks(driver: Driver) -> None:
         assert pool.num_available == pool.num_blocks - 1 and not any(pool.held), "blocks leaked"
     for s in driver.states:
         admitted = driver.admissions.get(id(s), 0)
-        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.num_preemptions) else 1
-        assert admitted == s.request.num_preemptions + resumes_owed, \
-            (s.id, admitted, s.request.num_preemptions, s.aborted)
+        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.stats.preemptions) else 1
+        assert admitted == s.request.stats.preemptions + resumes_owed, \
+            (s.id, admitted, s.request.stats.preemptions, s.aborted)
     assert driver.preemptions == driver.sched.counters["preemptions"] == \
-        sum(s.request.num_preemptions for s in driver.states)
+        sum(s.request.stats.preemptions for s in driver.states)
 
 
 def check_all(driver: Driver) -> None:
@@ -384,6 +392,7 @@ def check_all(driver: Driver) -> None:
     check_slots(driver)
     check_balance(driver.sched)
     check_blocks(driver)
+    check_resumes_first(driver.sched)
 
 
 # ---- the property --------------------------------------------------------------------------------------

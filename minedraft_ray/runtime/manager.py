@@ -287,10 +287,8 @@ class BatchManager:
                   bounded: bool) -> RequestState:
         if self.dead:
             raise EngineDeadError(self.dead)
-        waiting = len(self.sched.waiting)
-        capacity = self.config.max_queued + max(self.config.max_running - self.sched.num_running(), 0)
-        if bounded and waiting >= capacity:
-            raise EngineOverloadedError(f"the engine queue is full ({waiting} waiting)")
+        if bounded and self.sched.queue_full(self.config.max_queued):
+            raise EngineOverloadedError(f"the engine queue is full ({len(self.sched.waiting)} waiting)")
         state = RequestState(self.make_request(prompt_ids, params, request_id))
         self.requests[state.id] = state
         self.streams[state.id] = sink

@@ -271,8 +271,10 @@ class Scheduler:
         self.reset_choosers()
         self.saturated = False
         self.one_batch = False
+        # prefix_cache_*: vLLM's prefix-cache stats (prompt tokens looked up and found, at a request's first
+        # admission only: a resumed request finds its own blocks, which says nothing of shared prefixes)
         self.counters = {"moves": 0, "balance_violations": 0, "drafts_ahead_used": 0, "draft_rows_unused": 0,
-                         "preemptions": 0}
+                         "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         # KV blocks per model, once the workers have sized their pools (attach_kv)
         self.kv: dict[KVRole, PlannedBlocks] = {}
         self.max_len = 0                    # tokens a request may hold (prompt + output)
@@ -389,6 +391,19 @@ class Scheduler:
 
     def demand(self) -> int:
         return self.num_running() + len(self.waiting)
+
+    def queue_full(self, max_queued: int) -> bool:
+        """Whether a new arrival is refused: max_queued new arrivals may wait beyond the room left in max_running.
+        A preempted request was admitted: it keeps its place in max_running while it waits to resume, in front
+        of every new arrival, so preemptions take no queue room from arrivals, and it is never refused (it does
+        not arrive again)."""
+        resuming = 0
+        for s in self.waiting:   # the preempted wait in front (`schedule` puts them back there)
+            if not s.request.stats.preemptions:
+                break
+            resuming += 1
+        arrivals = len(self.waiting) - resuming
+        return arrivals >= max_queued + max(self.config.max_running - self.num_running() - resuming, 0)
 
     def release(self, state: RequestState) -> None:
         """Free a finished request's slot and KV blocks once no task in flight still writes to them."""
@@ -556,6 +571,9 @@ class Scheduler:
         s.blocks_cover = -1
         s.cached_tokens = r.num_cached_tokens = hit * self.kv[KVRole.TARGET].block_size
         s.prompt_planned = s.prefilled = s.cached_tokens
+        if self.config.prefix_caching and not r.stats.preemptions:
+            self.counters["prefix_cache_queries"] += len(r.prompt_ids)
+            self.counters["prefix_cache_hits"] += s.cached_tokens
         # the drafter holds the cached prefix (and catches up from there on its first round, or takes the chunks)
         with_drafter = KVRole.DRAFT in self.kv
         r.draft_valid = s.cached_tokens if with_drafter else 0
@@ -598,7 +616,7 @@ class Scheduler:
         if s in self.unprefilled:
             self.unprefilled.remove(s)
         s.status = Status.WAITING
-        s.request.num_preemptions += 1
+        s.request.stats.preemptions += 1
         self.counters["preemptions"] += 1
 
     def _place(self, new: list[RequestState], committed: int | None) -> None:
