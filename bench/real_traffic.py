@@ -13,7 +13,8 @@ the per-step budget, each chunk a launch of its own in front of the step's verif
 launch: fused_prefill on, the engine's default).
 - closed: every request submitted at once. `prefill_tokens_per_s`: prompt tokens / prefill device time (every
   prefill task's, the chunks' included; none for `fused` where chunks rode verifies, whose device time holds
-  both: `fused_prefills` counts those); `tokens_per_s`: output tokens / wall time.
+  both: `fused_prefills` counts those); `tokens_per_s`: output tokens / wall time; `verify_ms_p50`: a plain
+  verify's device time, `fused_verify_ms_p50` a verify's that carried chunks (`fused_tokens_p50` of them).
 - online: Poisson arrivals at 30/60/90 % of the padded engine's closed capacity (the same absolute rates for
   both engines). TTFT P50/P99 counted from the scheduled arrival; `gap_p99_ms`: P99 of the time between a
   request's consecutive outputs (streamed one per step: stream_interval_ms 0); `gap_long_p99_ms`: that P99 over
@@ -45,7 +46,7 @@ NAME = "real_traffic"
 COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "completed", "prompt_tokens",
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
-           "fused_prefills", "prefill_chunk_tokens", "packed_prefill", "fused_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
+           "fused_prefills", "verify_ms_p50", "fused_verify_ms_p50", "fused_tokens_p50", "prefill_chunk_tokens", "packed_prefill", "fused_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
            "device"]
 TABLE = ["mode", "engine", "workload", "load", "rate_rps", "completed", "prefill_tokens_per_s", "tokens_per_s",
          "ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms",
@@ -102,7 +103,11 @@ def run_closed(llm, requests: Requests, ids: range) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs])
     run_s = time.perf_counter() - t0
-    prefill_ms = sum(r.t_prefill_ms for r in llm.history()[start:])
+    steps = llm.history()[start:]
+    prefill_ms = sum(r.t_prefill_ms for r in steps)
+    # a fused step's device time (verify rows and chunk in one launch) against a plain verify's
+    fused_steps = [r for r in steps if "fused_prefill_tokens" in r.extra]
+    plain_steps = [r for r in steps if "fused_prefill_tokens" not in r.extra]
     prompt_tokens = sum(len(p) for p, _ in reqs)
     after = llm.info()
     fused = after["fused_prefills"] - before["fused_prefills"]
@@ -111,7 +116,10 @@ def run_closed(llm, requests: Requests, ids: range) -> dict:
     return {"n_requests": len(reqs), "completed": len(outs), "prompt_tokens": prompt_tokens, "run_s": run_s,
             "prefill_ms": prefill_ms, "prefill_tokens_per_s": prompt_tokens / prefill_ms * 1e3 if separate else None,
             "tokens_per_s": sum(len(o.token_ids) for o in outs) / run_s,
-            "prefill_tasks": after["prefill_tasks"] - before["prefill_tasks"], "fused_prefills": fused}
+            "prefill_tasks": after["prefill_tasks"] - before["prefill_tasks"], "fused_prefills": fused,
+            "verify_ms_p50": percentile([r.t_verify_ms for r in plain_steps], 50),
+            "fused_verify_ms_p50": percentile([r.t_verify_ms for r in fused_steps], 50),
+            "fused_tokens_p50": percentile([r.extra["fused_prefill_tokens"] for r in fused_steps], 50)}
 
 
 @dataclass

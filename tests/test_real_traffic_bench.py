@@ -45,6 +45,7 @@ def test_smoke(ray_cluster, tmp_path):
         assert r["prefill_chunk_tokens"] == (0 if engine == "padded" else 16)
         assert r["fused_prefill"] == (engine == "fused")
         assert r["fused_prefills"] == 0 or engine == "fused"
+        assert r["verify_ms_p50"] > 0 and (r["fused_verify_ms_p50"] is None) == (r["fused_prefills"] == 0)
     # more prefill tasks than requests only where prompts are cut
     assert closed[("sd", "chunked")]["prefill_tasks"] > closed[("sd", "padded")]["prefill_tasks"]
     online = [r for r in rows if r["workload"] == "online"]
