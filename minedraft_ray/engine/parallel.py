@@ -231,7 +231,8 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_device(torch.stack([slots, num_tokens]))
             super().rollback(slots, num_tokens)
 
-    def capture_all(self, qs: tuple[int, ...]) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
+        """As ModelRunner's, without fused steps' graphs: a fused step here is its two calls."""
         if not self.use_graphs:
             return
         if len(qs) > HEADER - 2:

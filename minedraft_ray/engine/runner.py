@@ -17,6 +17,9 @@ server admits per step) replays a graph captured per token-count bucket, padded 
 slot: run eagerly, such a forward is bound by the host launching ~10 kernels per layer, several times its
 device time. Larger launches amortise that and stay eager.
 
+A fused step (`step_with_chunks`) is one packed launch of a decode/verify step's rows and prompt chunks; its
+graphs are keyed by token count and by the rows' token count, whose attention takes small blocks.
+
 The padded path (packed_prefill=False) pads each list to the longest and graphs per (rows, padded length);
 it stays for comparison.
 """
@@ -165,6 +168,8 @@ class ModelRunner:
         graphs_packed = self.use_graphs and triton_op("attention_packed_triton", "attend_packed_triton") is not None
         self.packed_buckets = [n for n in PACKED_GRAPH_TOKENS if n <= max_prefill_tokens] if graphs_packed else []
         self._packed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
+        # fused steps' launches: (token bucket, row bucket) -> graph
+        self._fused_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
     # ---- model calls -------------------------------------------------------------------------
@@ -229,15 +234,20 @@ class ModelRunner:
         return graph
 
     @torch.inference_mode()
-    def capture_all(self, qs: tuple[int, ...]) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
         """Capture every prefill shape and every bucket for each q up front (largest first, so the shared
-        pool is sized once)."""
+        pool is sized once). fused_rows: the most row tokens a fused step holds (step_with_chunks; 0: none will
+        run), whose launches' graphs are captured too."""
         if not self.use_graphs:
             return
         if self.packed_prefill:
             for tokens in reversed(self.packed_buckets):
                 if tokens not in self._packed_graphs:
                     self._packed_graphs[tokens] = self._capture_packed(tokens)
+                for rows in sorted({self._row_bucket(r, tokens) for r in PACKED_GRAPH_TOKENS if r <= fused_rows}
+                                   | ({self._row_bucket(fused_rows, tokens)} if fused_rows else set())):
+                    if (tokens, rows) not in self._fused_graphs:
+                        self._fused_graphs[tokens, rows] = self._capture_packed(tokens, rows)
             self._warm_eager_packed()
         else:
             for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
@@ -292,10 +302,11 @@ class ModelRunner:
                                           to_device(np.diff(launch.cu_seqlens), self.device))
         return out
 
-    def _packed_hidden(self, launch: PackedLaunch, fill=None) -> torch.Tensor:
+    def _packed_hidden(self, launch: PackedLaunch, fill=None, decode_rows: int = 0) -> torch.Tensor:
         """Hidden states [>= T, H] of one launch: a graph's buffer when T fits a bucket (use it before the
         next replay), else an eager forward of exactly T tokens. fill(packed [3, >= T] on the device), when
-        given, writes the columns whose values only the device holds (a fused step's verify rows) before the run."""
+        given, writes the columns whose values only the device holds (a fused step's verify rows) before the run;
+        decode_rows: how many tokens at the front those rows hold (graphed: up to the next row bucket)."""
         tokens = launch.num_tokens
         host = np.stack([launch.token_ids, launch.token_slots, launch.offsets])  # [3, T]: one copy
         bucket = next((n for n in self.packed_buckets if n >= tokens), None)
@@ -303,10 +314,13 @@ class ModelRunner:
             packed = to_device(host, self.device)
             if fill is not None:
                 fill(packed)
-            return self.model.forward_packed(packed[0], self.cache, packed[1], packed[2])
-        if bucket not in self._packed_graphs:
-            self._packed_graphs[bucket] = self._capture_packed(bucket)
-        graph, bufs = self._packed_graphs[bucket]
+            return self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], decode_rows)
+        graphs, key = self._packed_graphs, bucket
+        if decode_rows:   # the rows' attention takes small blocks up to a static count (attention.attend_packed)
+            graphs, key = self._fused_graphs, (bucket, self._row_bucket(decode_rows, bucket))
+        if key not in graphs:
+            graphs[key] = self._capture_packed(*((key,) if isinstance(key, int) else key))
+        graph, bufs = graphs[key]
         # the padding tokens sit at position 0 of the scratch slot (its length stays 0), seeing only themselves
         padded = np.zeros((3, bucket), dtype=np.int64)
         padded[1] = self.scratch_slot
@@ -317,13 +331,20 @@ class ModelRunner:
         graph.replay()
         return bufs["hidden"]
 
-    def _capture_packed(self, tokens: int):
+    def _capture_packed(self, tokens: int, decode_rows: int = 0):
         packed = torch.zeros((3, tokens), dtype=torch.int64, device=self.device)
         packed[1] = self.scratch_slot
         bufs = {"packed": packed}
         # the graph ends at the hidden states: the last tokens' logits depend on where the requests end
-        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2])  # noqa: E731
+        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2],  # noqa: E731
+                                                    decode_rows)
         return self._graph(bufs, forward, output="hidden"), bufs
+
+    @staticmethod
+    def _row_bucket(rows: int, bucket: int) -> int:
+        """A fused graph's static count of row tokens: the next token bucket up from `rows`, within `bucket` (chunk
+        tokens below it take the rows' small blocks, which is correct, only slower)."""
+        return min(next((n for n in PACKED_GRAPH_TOKENS if n >= rows), bucket), bucket)
 
     # ---- padded path ---------------------------------------------------------------------------
     def _extend_padded(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
@@ -438,7 +459,7 @@ class ModelRunner:
             packed[0, :rows] = input_ids.reshape(-1)
             packed[1, :rows] = slots[:, None].expand(batch, q).reshape(-1)
 
-        hidden = self._packed_hidden(launch, fill)   # [>= rows + chunk tokens, H]
+        hidden = self._packed_hidden(launch, fill, decode_rows=rows)   # [>= rows + chunk tokens, H]
         # every row token's logits, and each chunk's last token's, in one head call
         wanted = np.concatenate([np.arange(rows, dtype=np.int64), launch.cu_seqlens[1:] - 1])
         logits = self.model.compute_logits(hidden[to_device(wanted, self.device)])[..., :self.vocab]

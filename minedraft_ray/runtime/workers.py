@@ -261,15 +261,23 @@ class _Worker:
         """The collective channel's link, if it is the one of that drafter generation."""
         return self.link if self.link is not None and self.link.generation == generation else None
 
-    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int) -> ModelRunner:
+    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int, fused_rows: int = 0) -> ModelRunner:
         """`model` on this device with a pool of `num_blocks` KV blocks (handed out by the scheduler); on CUDA its
-        graphs for every batch bucket and step width are captured now, so the first requests do not pay for
-        captures (and the compiles inside them)."""
+        graphs for every batch bucket and step width are captured now (and those of fused steps of up to
+        `fused_rows` row tokens), so the first requests do not pay for captures (and the compiles inside them)."""
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                              self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill,
                              block_size=self.config.block_size, num_blocks=num_blocks)
-        runner.capture_all(step_widths)
+        runner.capture_all(step_widths, fused_rows)
         return runner
+
+    def _fused_rows(self) -> int:
+        """The most row tokens a fused step of the target holds: every running request's verify, within the
+        budget (fused launches never exceed it); 0 when chunks do not ride verifies."""
+        cfg = self.config
+        if not (cfg.fused_prefill and cfg.packed_prefill and cfg.prefill_chunk_tokens):
+            return 0
+        return min(cfg.max_running * (cfg.k + 1), cfg.prefill_chunk_tokens)
 
     def _load_target(self, group: Rendezvous | None, rank: int):
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
@@ -283,7 +291,7 @@ class _Worker:
         """The target's runner (`_runner`), sharded at tp > 1: rank 0's calls drive every rank (its graph captures
         too); the others follow (TargetRank)."""
         if self.config.tp == 1:
-            return self._runner(model, step_widths, num_blocks)
+            return self._runner(model, step_widths, num_blocks, self._fused_rows())
         runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                                tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit,
                                block_size=self.config.block_size, num_blocks=num_blocks)
