@@ -438,3 +438,20 @@ def test_packed_default_tiles_8b_heads(attend_packed_cpu, tiles):
                             dtype=torch.bfloat16, kv_heads=2, rows=80)
     out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5, **tiles)
     torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])
+
+
+@interpreter_only
+@pytest.mark.parametrize("decode_rows", [0, 4, 12, 13, 40])   # none, mid-request, a request's end, all of them
+def test_fused_rows_then_chunks_match_reference(attend_packed_cpu, decode_rows):
+    """A fused step's launch: verify rows of 4 tokens on four slots at their lengths, then two prompt chunks; the
+    rows' tokens in small blocks and the rest in the kernel's own (attend_rows_then_packed), every token as the
+    reference attends it, wherever the split falls."""
+    from minedraft_ray.engine.attention import attend_rows_then_packed
+
+    requests = [(0, 9, 4), (3, 20, 4), (2, 1, 4), (4, 30, 4), (5, 0, 11), (1, 6, 5)]
+    case = make_packed_case(requests, groups=2, head_dim=16, dtype=torch.float32)
+
+    def split(*args, **kwargs):
+        return attend_rows_then_packed(attend_packed_cpu, *args, decode_rows=decode_rows, **kwargs)
+    out = paged(split, case, 4, scale=0.25)
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[torch.float32])

@@ -37,15 +37,15 @@ PAGING_EVENTS = st.one_of(EVENTS, LONG, LONG, st.tuples(st.just("complete")), st
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["psd", "psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4),
-       budget=BUDGETS, num_blocks=st.integers(14, 20), prefix_caching=st.booleans(),
+       budget=BUDGETS, num_blocks=st.integers(14, 20), prefix_caching=st.booleans(), fuse=st.booleans(),
        schedule_after_prefill=st.booleans(), events=st.lists(PAGING_EVENTS, min_size=30, max_size=150),
        data=st.data())
-def test_scheduler_invariants_hold_when_blocks_run_short(mode, max_batch, budget, num_blocks, prefix_caching,
+def test_scheduler_invariants_hold_when_blocks_run_short(mode, max_batch, budget, num_blocks, prefix_caching, fuse,
                                                          schedule_after_prefill, events, data):
     """A pool of 14-20 blocks of 4 tokens: a request may hold up to 13 of them (40 tokens and the verify's
-    headroom), so a few requests fill it and preemption is frequent."""
+    headroom), so a few requests fill it and preemption is frequent; chunks fused into verifies or not."""
     run_events(mode, max_batch, 2, events, drawn(data), budget, schedule_after_prefill, num_blocks=num_blocks,
-               prefix_caching=prefix_caching)
+               prefix_caching=prefix_caching, fuse=fuse)
 
 
 def burst(mode: str, num_blocks: int, prefix_caching: bool, budget: int | None = None):
