@@ -184,13 +184,23 @@ ENGINES = {"fused": {"packed_prefill": True, "fused_prefill": True},
            "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0, "fused_prefill": False}}
 
 
+def engine_kind(spec: str) -> tuple[str, int | None]:
+    """An --engines entry: `fused`, or `fused:256` (that engine at its own prefill_chunk_tokens)."""
+    kind, _, chunk = spec.partition(":")
+    if kind not in ENGINES or (chunk and kind == "padded"):
+        raise ValueError(f"unknown engine {spec!r}: one of {', '.join(ENGINES)}, chunked/fused optionally :TOKENS")
+    return kind, int(chunk) if chunk else None
+
+
 def build(mode: str, engine: str, args, target: str, draft: str, work: Workload, extra: dict):
     from minedraft_ray.runtime import LLM
     from minedraft_ray.testing.workers import synthetic_acceptance
 
-    settings = dict(ENGINES[engine])
-    if engine != "padded" and args.chunk is not None:
-        settings["prefill_chunk_tokens"] = args.chunk
+    kind, chunk = engine_kind(engine)
+    settings = dict(ENGINES[kind])
+    chunk = chunk if chunk is not None else args.chunk
+    if kind != "padded" and chunk is not None:
+        settings["prefill_chunk_tokens"] = chunk
     hook = {"_workers": synthetic_acceptance(args.alpha)} if mode == "sd" else {}
     return LLM(target, draft if mode == "sd" else None, mode=mode, k=args.k, max_batch=args.max_batch,
                max_len=work.max_len, max_queued=1_000_000, stream_interval_ms=0.0, **settings, **extra, **hook)
@@ -221,7 +231,8 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="ar,sd")
     p.add_argument("--engines", default="padded,chunked,fused", help="padded (the unchunked engine) first: its "
-                   "closed capacity sets the online rates of all")
+                   "closed capacity sets the online rates of all; chunked/fused take :TOKENS for their own budget "
+                   "(e.g. fused:256,fused:512)")
     p.add_argument("--target", default="random:llama-8b")
     p.add_argument("--draft", default="random:llama-1b")
     p.add_argument("--max-batch", type=int, default=32)
@@ -276,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                     base = {**context, "mode": mode, "engine": engine, "max_batch": args.max_batch,
                             "k": args.k if mode == "sd" else None, "alpha": args.alpha if mode == "sd" else None,
                             "prefill_chunk_tokens": llm.info()["prefill_chunk_tokens"],
-                            "packed_prefill": ENGINES[engine]["packed_prefill"],
+                            "packed_prefill": ENGINES[engine_kind(engine)[0]]["packed_prefill"],
                             "fused_prefill": llm.info()["fused_prefill"],
                             "build_s": time.perf_counter() - t0}
                     closed = {**base, "workload": "closed", **run_closed(llm, requests, range(args.n_closed))}
@@ -337,7 +348,7 @@ def ratios(rows: list[dict]) -> list[str]:
             (r for r in rows if r["mode"] == mode and r["engine"] == engine and r["workload"] == workload
              and (load is None or r.get("load") == load)), None)
         padded = pick("padded", "closed")
-        for engine in ("chunked", "fused"):
+        for engine in dict.fromkeys(r["engine"] for r in rows if r["mode"] == mode and r["engine"] != "padded"):
             closed = pick(engine, "closed")
             if closed and padded and closed["prefill_tokens_per_s"] and padded["prefill_tokens_per_s"]:
                 lines.append(f"{mode}: prefill prompt tokens/s {engine} / padded = "
