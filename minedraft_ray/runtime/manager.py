@@ -17,6 +17,7 @@ The manager is a plain asyncio object so it can live in a Serve replica or in an
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import statistics
 import time
@@ -387,6 +388,12 @@ class BatchManager:
             out["saturated"] = s.saturated
         return out
 
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """The records of the steps after step number `step` (info's `steps`) still in the history, oldest first:
+        a benchmark's window of steps, read once after it (nothing is recorded for it)."""
+        count = min(self.sched.steps - step, len(self.history))
+        return list(itertools.islice(self.history, len(self.history) - count, None)) if count > 0 else []
+
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
         steps = list(self.history)[-n:]
@@ -476,13 +483,15 @@ class BatchManager:
         k = self.k
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
         record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
-                            t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted)
+                            t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
+                            batch=verify.batch)
         self._prefill_ms = 0.0
         record.emitted = sum(len(t) for t in result.tokens)
         record.draft_tokens = sum(num_drafts)
         record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
         self.sched.commit_verify(verify)
         self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
+        record.t_emit = time.time()
         self._schedule(verify.batch)
         self._record(task, record, result, t_arrived)
 

@@ -23,6 +23,8 @@ class StepRecord:
     accepted: int = 0
     draft_tokens: int = 0
     admitted: int = 0
+    batch: int = 0                   # the batch verified (psd, sd_split: 0 = A, 1 = B; otherwise 0)
+    t_emit: float = 0.0              # wall clock when its tokens were handed to the requests' streams
     extra: dict = field(default_factory=dict)
 
     @property

@@ -54,7 +54,7 @@ from ..engine.hub import with_local_models
 from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..observability.heap import CollectorWatch
-from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
+from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput, StepRecord
 from ..runtime.placement import STRATEGY, make_bundles
 from ..runtime.workers import shared_vocab
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
@@ -131,6 +131,11 @@ class EngineServer:
     async def info(self) -> dict:   # async: runs on the loop that owns the manager
         return {**self.manager.info(), "workers": self.manager.worker_info,
                 "replica": serve.get_replica_context().replica_id.unique_id}
+
+    async def steps_since(self, step: int) -> list[StepRecord]:
+        """The engine's step records after step number `step` (info's `steps`): benchmarks read a run's steps.
+        A handle call only, no HTTP route."""
+        return self.manager.steps_since(step)
 
     async def check_health(self) -> None:
         if self.manager.dead:
