@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 NAME = "serve_vs_offline"   # on a CPU: serve_vs_offline_cpu
@@ -53,8 +54,8 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
                  "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
-                 "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms", "engine_step_p99_ms",
-                 "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
+                 "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
+                 "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------
@@ -490,6 +491,10 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
                          notes, TABLE_COLUMNS)
 
 
+def fmt_ms(row: dict, key: str) -> str:
+    return "–" if row.get(key) is None else f"{row[key]:.1f}"
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x]
 
@@ -617,14 +622,14 @@ def main(argv: list[str] | None = None) -> int:
                                    offline_engine_step_ms=offline.engine_step_ms)
                         row["http_over_offline"] = (row["http_tokens_per_s"] or 0) / offline.tokens_per_s
                     new.append(row)
+                    ms = partial(fmt_ms, row)
                     say(f"  {row['workload']} load={row['load']}: http {row['http_tokens_per_s'] or 0:.0f} tok/s"
                         + (f" ({row['http_over_offline']:.2f}x offline)" if row.get("http_over_offline") else "")
                         + f", ttft p50/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p99_ms'] or 0:.0f} ms, "
                         f"chunk gap p50/p99 {row['chunk_gap_p50_ms'] or 0:.1f}/{row['chunk_gap_p99_ms'] or 0:.1f} ms,"
-                        f" (steady p99 {row['chunk_gap_steady_p99_ms'] or 0:.1f}; ingress p50/p99"
-                        f" {row['ingress_gap_p50_ms'] or 0:.1f}/{row['ingress_gap_p99_ms'] or 0:.1f}; engine p50/p99"
-                        f" {row['engine_gap_p50_ms'] or 0:.1f}/{row['engine_gap_p99_ms'] or 0:.1f}),"
-                        f" step p50/p99 {row['engine_step_p50_ms'] or 0:.1f}/{row['engine_step_p99_ms'] or 0:.1f} ms"
+                        f" (steady p99 {ms('chunk_gap_steady_p99_ms')}; ingress p50/p99 {ms('ingress_gap_p50_ms')}/"
+                        f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/{ms('engine_gap_p99_ms')}),"
+                        f" step p50/p99 {ms('engine_step_p50_ms')}/{ms('engine_step_p99_ms')} ms"
                         f" ({row['prefill_step_share'] or 0:.0%} with prefill), errors {row['errors']}"
                         + (f" ({row['first_error']})" if row.get("first_error") else ""))
                 rows = merge(rows, new)
