@@ -55,7 +55,8 @@ TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workloa
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
                  "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
                  "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
-                 "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
+                 "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas",
+                 "ingress_cpus"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------
@@ -392,8 +393,10 @@ class HopProbe:
     def __init__(self, url: str, settings: dict, ingress_replicas: int):
         from ray import serve
 
+        from minedraft_ray.serve.app import EngineServer
+
         self.url, self.ingress_replicas = url, ingress_replicas
-        self.engine = serve.get_deployment_handle("MineDraftEngine", app_name(settings))
+        self.engine = serve.get_deployment_handle(EngineServer.name, app_name(settings))
 
     def before(self) -> None:
         self.itl = scrape_ingress(self.url, self.ingress_replicas)
@@ -477,7 +480,8 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "engine delivery with tokens of a request at the ingress -> the next; outputs of one request taken "
              "from the mailbox at once count a ~0 gap each), the workload's observations summed over the replicas, "
              "P50/P99 interpolated within vLLM's buckets (bounds 10, 25, 50, 75, 100, 150, 200, 300 ms, ...): "
-             "bucket resolution, not exact. `chunk_gap_*`: the client's (exact). `*_steady_*` (closed only): only "
+             "bucket resolution, not exact. `chunk_gap_*`: the client's (exact); its P50 near `stream_interval_ms` is "
+             "the coalescing, by design. `*_steady_*` (closed only): only "
              "gaps that begin after the last request of the burst got its first chunk (`burst_admitted_s` after "
              "the first send), without the arrival transient.",
              "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
@@ -628,7 +632,8 @@ def main(argv: list[str] | None = None) -> int:
                         + f", ttft p50/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p99_ms'] or 0:.0f} ms, "
                         f"chunk gap p50/p99 {row['chunk_gap_p50_ms'] or 0:.1f}/{row['chunk_gap_p99_ms'] or 0:.1f} ms,"
                         f" (steady p99 {ms('chunk_gap_steady_p99_ms')}; ingress p50/p99 {ms('ingress_gap_p50_ms')}/"
-                        f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/{ms('engine_gap_p99_ms')}),"
+                        f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/"
+                        f"{ms('engine_gap_p99_ms')}),"
                         f" step p50/p99 {ms('engine_step_p50_ms')}/{ms('engine_step_p99_ms')} ms"
                         f" ({row['prefill_step_share'] or 0:.0%} with prefill), errors {row['errors']}"
                         + (f" ({row['first_error']})" if row.get("first_error") else ""))

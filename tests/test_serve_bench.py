@@ -49,8 +49,9 @@ def test_engine_gaps_per_batch_chain():
         sizes = (size_after, 0) if batch == 0 else (0, size_after)
         return StepRecord("psd", sizes, rows, 0, step_ms=step_ms, t_prefill_ms=prefill_ms, batch=batch, t_emit=t_emit)
     records = [step(0, 1.000, 2, 2), step(1, 1.005, 2, 2),
-               step(0, 1.010, 2, 2, prefill_ms=3.0), step(1, 1.050, 4, 0, step_ms=40.0),   # B: 45 ms, 4 rows; then empty
-               step(1, 3.000, 1, 1)]                                                       # after idle: no gap
+               step(0, 1.010, 2, 2, prefill_ms=3.0),
+               step(1, 1.050, 4, 0, step_ms=40.0),   # B: 45 ms for 4 rows, then empty
+               step(1, 3.000, 1, 1)]                 # after idle: no gap
     gaps = engine_gaps(records)
     assert [(round(ms), rows) for ms, rows in gaps] == [(10, 2), (45, 4)]
     assert [round(ms) for ms, _ in engine_gaps(records, steady_from=1.004)] == [45]
