@@ -47,7 +47,7 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
            "offline_ttft_p50_ms", "offline_ttft_p99_ms", "offline_engine_step_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p50_ms", "chunk_gap_steady_p99_ms",
            "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
-           "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_steps", "engine_step_p50_ms",
+           "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
            "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
@@ -270,16 +270,16 @@ def ingress_gaps(before: dict | None, after: dict | None) -> dict:
 
 def engine_gaps(records: list, steady_from: float | None = None) -> list[tuple[float, float]]:
     """(ms, rows) per verify step: the time from the batch's previous token hand-out to this one (`t_emit`),
-    once for each row it verified: a request in both steps waited exactly that for its next tokens (one that joined
-    from its prefill meanwhile, at most that). Steps after idle (the batch was empty) carry none. `steady_from`:
-    only steps after it (wall clock)."""
+    once for each request it streamed tokens to that was in the batch's previous step: each waited exactly that for
+    its next tokens. Requests given their first token by a prefill since (`joined`) are left out (their first gap
+    is not that), as are steps after idle (the batch was empty). `steady_from`: only steps after it (wall clock)."""
     last: dict[int, object] = {}   # batch -> its previous record
     out = []
     for record in records:
         prev, last[record.batch] = last.get(record.batch), record
         if prev is None or prev.sizes[record.batch] == 0 or (steady_from is not None and prev.t_emit < steady_from):
             continue
-        out.append(((record.t_emit - prev.t_emit) * 1e3, record.verified))
+        out.append(((record.t_emit - prev.t_emit) * 1e3, record.streamed - record.joined))
     return out
 
 
@@ -288,7 +288,8 @@ def engine_stats(records: list, steady_from: float | None = None) -> dict:
     included) P50/P99, the share of steps with a prefill before them, and the row-weighted token hand-out gap."""
     steps = [r.step_ms for r in records]
     gaps, steady = engine_gaps(records), engine_gaps(records, steady_from) if steady_from is not None else []
-    return {"engine_steps": len(records), "engine_step_p50_ms": percentile(steps, 50),
+    return {"engine_steps": len(records), "engine_gaps": sum(n for _, n in gaps),
+            "engine_step_p50_ms": percentile(steps, 50),
             "engine_step_p99_ms": percentile(steps, 99),
             "prefill_step_share": sum(r.t_prefill_ms > 0 for r in records) / len(records) if records else None,
             "engine_gap_p50_ms": weighted_percentile(gaps, 50), "engine_gap_p99_ms": weighted_percentile(gaps, 99),
@@ -473,9 +474,11 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "offline_ttft: the offline engine's arrival -> first token of the same closed burst (its queueing for "
              "a slot included, as in the HTTP TTFT); offline_engine_step_ms: its median step (parquet only).",
              "Chunk gap by hop (ms), engine -> ingress -> client. `engine_gap_*`: per verify step, the time from "
-             "its batch's previous token hand-out to the streams to this one's, once per row it verified (exact for "
-             "a request in both steps; for one that joined from its prefill, an upper bound), i.e. the gap before "
-             "the engine replica's coalescing (its outputs go to the mailbox on a `stream_interval_ms` grid). "
+             "its batch's previous token hand-out to the streams to this one's, once per request it streamed to "
+             "that was in that previous step (requests just given their first token by a prefill left out): exact, "
+             "the gap before the engine replica's coalescing (its outputs go to the mailbox on a "
+             "`stream_interval_ms` grid); in psd's split a prefill's riders are taken from the next verify of "
+             "either batch. "
              "`ingress_gap_*`: vLLM's `vllm:inter_token_latency_seconds` of the ingress replicas (arrival of one "
              "engine delivery with tokens of a request at the ingress -> the next; outputs of one request taken "
              "from the mailbox at once count a ~0 gap each), the workload's observations summed over the replicas, "
@@ -487,7 +490,7 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
              "step (end of the previous verify -> end of this one, prefill chunks run in between included), "
              "`prefill_step_share` the share of steps with a prefill chunk in that cycle, `engine_steps` their "
-             "count.",
+             "count, `engine_gaps` the gaps `engine_gap_*` counts.",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
              "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]

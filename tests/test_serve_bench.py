@@ -45,18 +45,20 @@ def test_ingress_gaps_from_two_replicas_histograms():
 
 
 def test_engine_gaps_per_batch_chain():
-    def step(batch, t_emit, rows, size_after, step_ms=5.0, prefill_ms=0.0):
+    def step(batch, t_emit, rows, size_after, step_ms=5.0, prefill_ms=0.0, joined=0):
         sizes = (size_after, 0) if batch == 0 else (0, size_after)
-        return StepRecord("psd", sizes, rows, 0, step_ms=step_ms, t_prefill_ms=prefill_ms, batch=batch, t_emit=t_emit)
+        return StepRecord("psd", sizes, rows, 0, step_ms=step_ms, t_prefill_ms=prefill_ms, batch=batch, t_emit=t_emit,
+                          streamed=rows, joined=joined)
     records = [step(0, 1.000, 2, 2), step(1, 1.005, 2, 2),
-               step(0, 1.010, 2, 2, prefill_ms=3.0),
-               step(1, 1.050, 4, 0, step_ms=40.0),   # B: 45 ms for 4 rows, then empty
-               step(1, 3.000, 1, 1)]                 # after idle: no gap
+               step(0, 1.010, 3, 3, prefill_ms=3.0, joined=1),   # A: 10 ms for its 2 rows; a third joined
+               step(1, 1.050, 4, 0, step_ms=40.0),               # B: 45 ms for 4 rows, then empty
+               step(1, 3.000, 1, 1)]                             # after idle: no gap
     gaps = engine_gaps(records)
     assert [(round(ms), rows) for ms, rows in gaps] == [(10, 2), (45, 4)]
     assert [round(ms) for ms, _ in engine_gaps(records, steady_from=1.004)] == [45]
     stats = engine_stats(records, steady_from=1.004)
-    assert stats["engine_steps"] == 5 and stats["prefill_step_share"] == pytest.approx(0.2)
+    assert stats["engine_steps"] == 5 and stats["engine_gaps"] == 6
+    assert stats["prefill_step_share"] == pytest.approx(0.2)
     assert stats["engine_gap_p50_ms"] == pytest.approx(45) and stats["engine_gap_steady_p99_ms"] == pytest.approx(45)
     assert stats["engine_step_p50_ms"] == 5.0 and stats["engine_step_p99_ms"] == 40.0
 
@@ -86,7 +88,8 @@ def test_smoke(ray_cluster, tmp_path):
     # the offline engine's own TTFT of the burst (its queueing included) and step, to read the HTTP ones against
     assert 0 < closed["offline_ttft_p50_ms"] <= closed["offline_ttft_p99_ms"] and closed["offline_engine_step_ms"] > 0
     # the gap by hop: the engine's step records of the burst, the two ingress replicas' histograms, the client's
-    assert closed["engine_steps"] >= 11 and 0 <= closed["prefill_step_share"] <= 1
+    # each request: its first token from the prefill, 11 from verify steps, so 10 gaps between verify hand-outs
+    assert closed["engine_gaps"] == 6 * 10 and closed["engine_steps"] >= 11 and 0 <= closed["prefill_step_share"] <= 1
     assert 0 < closed["engine_step_p50_ms"] <= closed["engine_step_p99_ms"]
     assert 0 < closed["engine_gap_p50_ms"] <= closed["engine_gap_p99_ms"]
     assert closed["engine_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]

@@ -147,6 +147,7 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
+        self._joined = 0                               # first tokens from prefills, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
@@ -484,13 +485,13 @@ class BatchManager:
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
         record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
-                            batch=verify.batch)
-        self._prefill_ms = 0.0
+                            batch=verify.batch, joined=self._joined)
+        self._prefill_ms, self._joined = 0.0, 0
         record.emitted = sum(len(t) for t in result.tokens)
         record.draft_tokens = sum(num_drafts)
         record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
         self.sched.commit_verify(verify)
-        self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
+        record.streamed = self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
         record.t_emit = time.time()
         self._schedule(verify.batch)
         self._record(task, record, result, t_arrived)
@@ -500,6 +501,7 @@ class BatchManager:
         resumed request's brings nothing: it has its tokens)."""
         self.sched.commit_prefill(prefill)
         ends = [row for row, c in enumerate(prefill.chunks) if c.last and not c.state.resumed]
+        self._joined += len(ends)
         for c in prefill.chunks:
             if not c.last or c.state.resumed:
                 self.sched.release(c.state)   # aborted meanwhile: its slot is free once nothing writes it
@@ -560,8 +562,9 @@ class BatchManager:
         if verify.high_load == verify.regime and verify.regime in ("psd", "seq") and self.mode == "psd":
             self.sched.high_chooser.observe(verify.regime, record.ms_per_row, step)
 
-    def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> None:
-        """Append a task's tokens to its requests and stream them (the scheduler has counted the task done)."""
+    def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> int:
+        """Append a task's tokens to its requests and stream them (the scheduler has counted the task done).
+        -> the number of requests streamed to (those finished or aborted meanwhile get nothing)."""
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
         for row, (state, toks, nd) in enumerate(zip(states, tokens, num_drafts)):
             if state.request.finished:   # finished or aborted meanwhile: its extra tokens are dropped
@@ -575,6 +578,7 @@ class BatchManager:
             kept = commit_tokens([s.request for s in live], live_tokens,
                                  live_logprobs if logprobs is not None else None, live_drafts)
             self._emit(live, kept)
+        return len(live)
 
     @staticmethod
     def _num_logprobs(states: list[RequestState]) -> int:
