@@ -48,7 +48,8 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p50_ms", "chunk_gap_steady_p99_ms",
            "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
            "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
-           "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
+           "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "chunks_per_request",
+           "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
@@ -297,6 +298,12 @@ def engine_stats(records: list, steady_from: float | None = None) -> dict:
             "engine_gap_steady_p99_ms": weighted_percentile(steady, 99)}
 
 
+def flush_stats(flushes: list) -> dict:
+    """How late the engine replica's interval flushes went out against their grid, once per request in each."""
+    late = [(f.late_ms, f.requests) for f in flushes]
+    return {"flush_late_p50_ms": weighted_percentile(late, 50), "flush_late_p99_ms": weighted_percentile(late, 99)}
+
+
 def poisson_offsets(rate: float, n: int, seed: int) -> list[float]:
     rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):
@@ -402,11 +409,13 @@ class HopProbe:
     def before(self) -> None:
         self.itl = scrape_ingress(self.url, self.ingress_replicas)
         self.step = self.engine.info.remote().result()["steps"]
+        self.t0 = time.time()
 
     def after(self, steady_from: float | None = None) -> dict:
         records = self.engine.steps_since.remote(self.step).result()
+        flushes = self.engine.flushes_since.remote(self.t0).result()
         return {**ingress_gaps(self.itl, scrape_ingress(self.url, self.ingress_replicas)),
-                **engine_stats(records, steady_from)}
+                **engine_stats(records, steady_from), **flush_stats(flushes)}
 
 
 def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, ingress_replicas: int) -> list[dict]:
@@ -490,7 +499,11 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
              "step (end of the previous verify -> end of this one, prefill chunks run in between included), "
              "`prefill_step_share` the share of steps with a prefill chunk in that cycle, `engine_steps` their "
-             "count, `engine_gaps` the gaps `engine_gap_*` counts.",
+             "count, `engine_gaps` the gaps `engine_gap_*` counts. `flush_late_*`: how late the engine replica's "
+             "interval flushes (its outputs to the mailbox) left against their `stream_interval_ms` grid, once per "
+             "request in each: time its event loop, which runs the step loop, was busy; it adds to the gaps "
+             "between the engine hop and the ingress one, the mailbox and the ingress's poll the rest (the loop's "
+             "clock: 1 ms resolution under uvloop).",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
              "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]
@@ -638,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/"
                         f"{ms('engine_gap_p99_ms')}),"
                         f" step p50/p99 {ms('engine_step_p50_ms')}/{ms('engine_step_p99_ms')} ms"
-                        f" ({row['prefill_step_share'] or 0:.0%} with prefill), errors {row['errors']}"
+                        f" ({row['prefill_step_share'] or 0:.0%} with prefill), flush late p50/p99"
+                        f" {ms('flush_late_p50_ms')}/{ms('flush_late_p99_ms')} ms, errors {row['errors']}"
                         + (f" ({row['first_error']})" if row.get("first_error") else ""))
                 rows = merge(rows, new)
                 write(out, rows, device, name)   # after every configuration: a run cut short keeps what it measured

@@ -94,6 +94,7 @@ def test_smoke(ray_cluster, tmp_path):
     assert 0 < closed["engine_gap_p50_ms"] <= closed["engine_gap_p99_ms"]
     assert closed["engine_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]
     assert 0 < closed["ingress_gap_p50_ms"] <= closed["ingress_gap_p99_ms"]
+    assert 0 <= closed["flush_late_p50_ms"] <= closed["flush_late_p99_ms"]
     assert closed["burst_admitted_s"] > 0 and closed["chunk_gap_steady_p50_ms"] <= closed["chunk_gap_steady_p99_ms"]
     online = next(r for r in rows if r["workload"] == "online")
     assert online["engine_steps"] > 0 and online["ingress_gap_p99_ms"] is not None

@@ -61,7 +61,7 @@ from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, eng
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
-from .streams import Accepted, OutputBatcher, RequestSink, StreamRouter, start_mailbox
+from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -136,6 +136,10 @@ class EngineServer:
         """The engine's step records after step number `step` (info's `steps`): benchmarks read a run's steps.
         A handle call only, no HTTP route."""
         return self.manager.steps_since(step)
+
+    async def flushes_since(self, t: float) -> list[FlushRecord]:
+        """The output batcher's interval flushes after wall clock `t`: benchmarks read a run's flushes."""
+        return [f for f in self.outputs.history if f.t > t]
 
     async def check_health(self) -> None:
         if self.manager.dead:
