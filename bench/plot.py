@@ -134,14 +134,15 @@ def plot_engine_speed(parquet, png) -> Path:
 
 
 def bar_plot(label_of, value: str, ylabel: str, title: str):
-    """A one-panel bar chart of `value` per row, labelled by `label_of(row)` (a bar per row, repeats included)."""
+    """A one-panel bar chart of `value` per row that has one, labelled by `label_of(row)` (a bar per row, repeats
+    included)."""
     def plot(parquet, png) -> Path:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = read_rows(parquet)
+        rows = [r for r in read_rows(parquet) if r.get(value) is not None]
         fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 2, 3.6))
         ax.bar(range(len(rows)), [r[value] for r in rows], color=[f"C{i % 10}" for i in range(len(rows))])
         ax.set_xticks(range(len(rows)), [label_of(r) for r in rows])
@@ -341,8 +342,10 @@ PLOTS = {
     "engine_speed": plot_engine_speed,
     "engine_parity": bar_plot(lambda r: f"{r['model']} b={r['batch']} q={r['q']} {r['lengths']}", "change_over_parent",
                               "step ms, change / parent", "The engine step against its parent (same call)"),
-    "paged_kv": bar_plot(lambda r: f"{r['part']} {r['variant']}" + (f" q={r['q']}" if r["q"] else ""), "ratio",
-                         "paged / static, cached / uncached", "Paged KV: concurrency, prefix cache, decode step"),
+    "paged_kv": bar_plot(lambda r: f"{r['part']} {r['variant']}" + (f" q={r['q']}" if r["q"] else "")
+                         + (f" T={r['tokens']}" if r.get("tokens") else ""), "ratio",
+                         "paged / static, cached / uncached, tile / 128x64",
+                         "Paged KV: concurrency, prefix cache, decode step, attention tiles"),
     "vs_vllm_cpu": bar_plot(lambda r: f"{r['engine']} {r['mode']} ({r['workload']})", "tokens_per_s", "tokens/s",
                             "vLLM vs minedraft on the CPU (informational)"),
     "default_pair_speed_cpu": bar_plot(lambda r: r["mode"], "tokens_per_s", "tokens/s",

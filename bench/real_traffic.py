@@ -6,11 +6,15 @@ output lengths uniform in [out_min, out_max] (ignore_eos); random token ids; req
 both engines see the same requests. `sd` on random weights runs the synthetic acceptance of
 minedraft_ray.testing.workers (alpha), so its steps are the size real acceptance would give.
 
-Two engines per mode, built one after the other: `chunked` (packed prefill, prompts cut into chunks of the
-per-step budget riding along with the steps) and `padded` (packed_prefill off, prefill_chunk_tokens 0: each
-prefill pads its prompts to the longest and runs whole).
+Engines per mode, built one after the other: `padded` (packed_prefill off, prefill_chunk_tokens 0: each
+prefill pads its prompts to the longest and runs whole), `chunked` (packed prefill, prompts cut into chunks of
+the per-step budget, each chunk a launch of its own in front of the step's verify: fused_prefill off) and
+`fused` (the same chunks inside the verify's launch while requests decode, the budget bounding the whole
+launch: fused_prefill on, the engine's default).
 - closed: every request submitted at once. `prefill_tokens_per_s`: prompt tokens / prefill device time (every
-  prefill task's, the chunks' included); `tokens_per_s`: output tokens / wall time.
+  prefill task's, the chunks' included; none for `fused` where chunks rode verifies, whose device time holds
+  both: `fused_prefills` counts those); `tokens_per_s`: output tokens / wall time; `verify_ms_p50`: a plain
+  verify's device time, `fused_verify_ms_p50` a verify's that carried chunks (`fused_tokens_p50` of them).
 - online: Poisson arrivals at 30/60/90 % of the padded engine's closed capacity (the same absolute rates for
   both engines). TTFT P50/P99 counted from the scheduled arrival; `gap_p99_ms`: P99 of the time between a
   request's consecutive outputs (streamed one per step: stream_interval_ms 0); `gap_long_p99_ms`: that P99 over
@@ -42,11 +46,11 @@ NAME = "real_traffic"
 COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "completed", "prompt_tokens",
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
-           "prefill_chunk_tokens", "packed_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
+           "fused_prefills", "verify_ms_p50", "fused_verify_ms_p50", "fused_tokens_p50", "prefill_chunk_tokens", "packed_prefill", "fused_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
            "device"]
 TABLE = ["mode", "engine", "workload", "load", "rate_rps", "completed", "prefill_tokens_per_s", "tokens_per_s",
          "ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms",
-         "long_over_quiet", "prefill_tasks"]
+         "long_over_quiet", "prefill_tasks", "fused_prefills"]
 
 
 @dataclass(frozen=True)
@@ -94,17 +98,28 @@ def percentile(values, q):
 
 # ---- workloads ----------------------------------------------------------------------------------
 def run_closed(llm, requests: Requests, ids: range) -> dict:
-    start, before = len(llm.history()), llm.info()["prefill_tasks"]
+    start, before = len(llm.history()), llm.info()
     reqs = [requests(i) for i in ids]
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs])
     run_s = time.perf_counter() - t0
-    prefill_ms = sum(r.t_prefill_ms for r in llm.history()[start:])
+    steps = llm.history()[start:]
+    prefill_ms = sum(r.t_prefill_ms for r in steps)
+    # a fused step's device time (verify rows and chunk in one launch) against a plain verify's
+    fused_steps = [r for r in steps if "fused_prefill_tokens" in r.extra]
+    plain_steps = [r for r in steps if "fused_prefill_tokens" not in r.extra]
     prompt_tokens = sum(len(p) for p, _ in reqs)
+    after = llm.info()
+    fused = after["fused_prefills"] - before["fused_prefills"]
+    # fused chunks' device time is inside their verifies': prefill time alone is not measured then
+    separate = prefill_ms and not fused
     return {"n_requests": len(reqs), "completed": len(outs), "prompt_tokens": prompt_tokens, "run_s": run_s,
-            "prefill_ms": prefill_ms, "prefill_tokens_per_s": prompt_tokens / prefill_ms * 1e3 if prefill_ms else None,
+            "prefill_ms": prefill_ms, "prefill_tokens_per_s": prompt_tokens / prefill_ms * 1e3 if separate else None,
             "tokens_per_s": sum(len(o.token_ids) for o in outs) / run_s,
-            "prefill_tasks": llm.info()["prefill_tasks"] - before}
+            "prefill_tasks": after["prefill_tasks"] - before["prefill_tasks"], "fused_prefills": fused,
+            "verify_ms_p50": percentile([r.t_verify_ms for r in plain_steps], 50),
+            "fused_verify_ms_p50": percentile([r.t_verify_ms for r in fused_steps], 50),
+            "fused_tokens_p50": percentile([r.extra["fused_prefill_tokens"] for r in fused_steps], 50)}
 
 
 @dataclass
@@ -164,7 +179,9 @@ def long_prompt_gaps(traces: list[Trace], long_tokens: int) -> dict:
 
 
 # ---- engines ------------------------------------------------------------------------------------
-ENGINES = {"chunked": {"packed_prefill": True}, "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0}}
+ENGINES = {"fused": {"packed_prefill": True, "fused_prefill": True},
+           "chunked": {"packed_prefill": True, "fused_prefill": False},
+           "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0, "fused_prefill": False}}
 
 
 def build(mode: str, engine: str, args, target: str, draft: str, work: Workload, extra: dict):
@@ -172,7 +189,7 @@ def build(mode: str, engine: str, args, target: str, draft: str, work: Workload,
     from minedraft_ray.testing.workers import synthetic_acceptance
 
     settings = dict(ENGINES[engine])
-    if engine == "chunked" and args.chunk is not None:
+    if engine != "padded" and args.chunk is not None:
         settings["prefill_chunk_tokens"] = args.chunk
     hook = {"_workers": synthetic_acceptance(args.alpha)} if mode == "sd" else {}
     return LLM(target, draft if mode == "sd" else None, mode=mode, k=args.k, max_batch=args.max_batch,
@@ -203,15 +220,15 @@ def vocab_of(target: str) -> int:
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="ar,sd")
-    p.add_argument("--engines", default="padded,chunked", help="padded (the unchunked engine) first: its closed "
-                   "capacity sets the online rates of both")
+    p.add_argument("--engines", default="padded,chunked,fused", help="padded (the unchunked engine) first: its "
+                   "closed capacity sets the online rates of all")
     p.add_argument("--target", default="random:llama-8b")
     p.add_argument("--draft", default="random:llama-1b")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--alpha", type=float, default=0.8, help="sd's synthetic acceptance (random weights)")
-    p.add_argument("--chunk", type=int, default=None, help="the chunked engine's prefill_chunk_tokens (default: "
-                   "the engine's default for the device)")
+    p.add_argument("--chunk", type=int, default=None, help="the chunked and fused engines' prefill_chunk_tokens "
+                   "(default: the engine's default for the device)")
     p.add_argument("--n-closed", type=int, default=96, help="requests of the closed workload")
     p.add_argument("--loads", default="0.3,0.6,0.9")
     p.add_argument("--online-s", type=float, default=15.0, help="seconds of arrivals per load")
@@ -260,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                             "k": args.k if mode == "sd" else None, "alpha": args.alpha if mode == "sd" else None,
                             "prefill_chunk_tokens": llm.info()["prefill_chunk_tokens"],
                             "packed_prefill": ENGINES[engine]["packed_prefill"],
+                            "fused_prefill": llm.info()["fused_prefill"],
                             "build_s": time.perf_counter() - t0}
                     closed = {**base, "workload": "closed", **run_closed(llm, requests, range(args.n_closed))}
                     rows.append(closed)
@@ -299,13 +317,15 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
              f"max_batch {args.max_batch}; sd: k={args.k}, synthetic acceptance alpha={args.alpha}; "
              f"{args.n_closed} closed requests; online {args.online_s:.0f} s of Poisson arrivals per load at "
              f"{args.loads} x the padded engine's closed capacity",
-             "chunked: packed prefill, prompts cut at prefill_chunk_tokens per step; padded: packed_prefill off, "
-             "prefill_chunk_tokens 0 (whole prompts, padded to the longest)",
+             "chunked: packed prefill, prompts cut at prefill_chunk_tokens per step, each chunk its own launch; "
+             "fused: the same budget bounding one launch of the verify and the chunk while requests decode; padded: "
+             "packed_prefill off, prefill_chunk_tokens 0 (whole prompts, padded to the longest)",
              "prefill_tokens_per_s: prompt tokens / prefill device time; gaps: between a request's consecutive "
              "outputs (one per step); gap_long_p99_ms / gap_quiet_p50_ms: gaps overlapping a long prompt's "
              "arrival-to-first-token window, or none; online_pooled: all loads together"]
     notes += ratios(rows)
-    return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill vs the padded engine",
+    return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
+                         "launches) vs the padded engine",
                          rows[0]["command"] if rows else "", rows[0]["device"] if rows else "", notes, TABLE)
 
 
@@ -316,18 +336,23 @@ def ratios(rows: list[dict]) -> list[str]:
         pick = lambda engine, workload, load=None: next(
             (r for r in rows if r["mode"] == mode and r["engine"] == engine and r["workload"] == workload
              and (load is None or r.get("load") == load)), None)
-        chunked, padded = pick("chunked", "closed"), pick("padded", "closed")
-        if chunked and padded and chunked["prefill_tokens_per_s"] and padded["prefill_tokens_per_s"]:
-            lines.append(f"{mode}: prefill prompt tokens/s chunked / padded = "
-                         f"{chunked['prefill_tokens_per_s'] / padded['prefill_tokens_per_s']:.2f} (target >= 1.25)")
-        c60, p60 = pick("chunked", "online", 0.6), pick("padded", "online", 0.6)
-        if c60 and p60 and c60["ttft_p99_ms"] and p60["ttft_p99_ms"]:
-            lines.append(f"{mode}: TTFT P99 at 60 % load chunked {fmt(c60['ttft_p99_ms'])} ms vs padded "
-                         f"{fmt(p60['ttft_p99_ms'])} ms (target: chunked <= padded)")
-        pooled = pick("chunked", "online_pooled")
-        if pooled:
-            lines.append(f"{mode}: chunked, gap P99 while long prompts prefill / median gap without = "
-                         f"{fmt(pooled['long_over_quiet'])} over {pooled['n_long']} long prompts (target <= 2)")
+        padded = pick("padded", "closed")
+        for engine in ("chunked", "fused"):
+            closed = pick(engine, "closed")
+            if closed and padded and closed["prefill_tokens_per_s"] and padded["prefill_tokens_per_s"]:
+                lines.append(f"{mode}: prefill prompt tokens/s {engine} / padded = "
+                             f"{closed['prefill_tokens_per_s'] / padded['prefill_tokens_per_s']:.2f} (target >= 1.25)")
+            if closed and padded and closed["tokens_per_s"] and padded["tokens_per_s"]:
+                lines.append(f"{mode}: closed tok/s {engine} / padded = "
+                             f"{closed['tokens_per_s'] / padded['tokens_per_s']:.2f}")
+            c60, p60 = pick(engine, "online", 0.6), pick("padded", "online", 0.6)
+            if c60 and p60 and c60["ttft_p99_ms"] and p60["ttft_p99_ms"]:
+                lines.append(f"{mode}: TTFT P99 at 60 % load {engine} {fmt(c60['ttft_p99_ms'])} ms vs padded "
+                             f"{fmt(p60['ttft_p99_ms'])} ms (target: {engine} <= padded)")
+            pooled = pick(engine, "online_pooled")
+            if pooled:
+                lines.append(f"{mode}: {engine}, gap P99 while long prompts prefill / median gap without = "
+                             f"{fmt(pooled['long_over_quiet'])} over {pooled['n_long']} long prompts (target <= 2)")
     return lines
 
 

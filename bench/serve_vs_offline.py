@@ -292,7 +292,8 @@ def engine_stats(records: list, steady_from: float | None = None) -> dict:
     return {"engine_steps": len(records), "engine_gaps": sum(n for _, n in gaps),
             "engine_step_p50_ms": percentile(steps, 50),
             "engine_step_p99_ms": percentile(steps, 99),
-            "prefill_step_share": sum(r.t_prefill_ms > 0 for r in records) / len(records) if records else None,
+            "prefill_step_share": sum(bool(r.t_prefill_ms > 0 or r.extra.get("fused_prefill_tokens"))
+                                      for r in records) / len(records) if records else None,
             "engine_gap_p50_ms": weighted_percentile(gaps, 50), "engine_gap_p99_ms": weighted_percentile(gaps, 99),
             "engine_gap_steady_p50_ms": weighted_percentile(steady, 50),
             "engine_gap_steady_p99_ms": weighted_percentile(steady, 99)}
@@ -498,7 +499,8 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "the first send), without the arrival transient.",
              "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
              "step (end of the previous verify -> end of this one, prefill chunks run in between included), "
-             "`prefill_step_share` the share of steps with a prefill chunk in that cycle, `engine_steps` their "
+             "`prefill_step_share` the share of steps with a prefill chunk in that cycle (a task of its own or fused "
+             "into the verify's launch), `engine_steps` their "
              "count, `engine_gaps` the gaps `engine_gap_*` counts. `flush_late_*`: how late the engine replica's "
              "interval flushes (its outputs to the mailbox) left against their `stream_interval_ms` grid, once per "
              "request in each: time its event loop, which runs the step loop, was busy; it adds to the gaps "

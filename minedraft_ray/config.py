@@ -79,9 +79,15 @@ class EngineConfig(BaseModel):
     packed_prefill: bool = Field(True, description="prefill prompts packed back to back in one varlen launch; off: "
                                  "each padded to the longest (the older engine, kept for comparison)")
     prefill_chunk_tokens: int | None = Field(
-        None, ge=0, description="the per-step token budget: prompt tokens prefilled per verifier step. Prompts are cut "
-        "into chunks that ride along with the decode/verify steps, so a long prompt delays a running request's next "
-        "token by at most one chunk (default: 512 on a GPU, 256 on a CPU); 0: whole prompts at once (unchunked)")
+        None, ge=0, description="the per-step token budget: prompt tokens prefilled per verifier step (with "
+        "fused_prefill, while requests decode: the tokens of the step's whole launch, the verify's included). Prompts "
+        "are cut into chunks that ride along with the decode/verify steps, so a long prompt delays a running "
+        "request's next token by at most one chunk (default: 512 on a GPU, 256 on a CPU); 0: whole prompts at once "
+        "(unchunked)")
+    fused_prefill: bool = Field(True, description="while requests decode, a step's prompt chunk runs inside its "
+                                "verify's launch (one launch, not two), and the budget bounds the whole launch: the "
+                                "verify's tokens plus the chunk's; off: the chunk is a launch of its own before the "
+                                "verify (needs packed_prefill and a budget)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")
@@ -102,7 +108,8 @@ class EngineConfig(BaseModel):
     step_timeout_s: float = Field(120.0, gt=0, description="longest wait for any actor call")
     stream_interval_ms: float = Field(20.0, ge=0, le=1000, description="least time between two streamed outputs "
                                       "of a request (first and last go at once); 0: one per step")
-    max_queued: int = Field(256, ge=0, description="requests waiting beyond the running ones; then 429/503")
+    max_queued: int = Field(256, ge=0, description="new requests waiting beyond the running ones "
+                            "(preempted ones keep their place); then 429/503")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per actor (CPU)")
     # scale-out (Serve): data-parallel engine replicas, each with its own drafter+verifier placement group
     num_replicas: int = Field(1, ge=1, description="engine replicas (autoscaling: the initial count)")

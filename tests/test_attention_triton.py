@@ -412,10 +412,46 @@ def test_cuda_packed_graph_replay_follows_new_requests():
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
+def test_packed_tiles_follow_the_launch():
+    """128-row tiles once their programs alone fill the SMs; a short launch (a suffix over a cached prefix)
+    takes 64-row tiles; wide heads and fp32 the small tiles whatever the launch."""
+    from minedraft_ray.engine.attention_packed_triton import launch_shape
+
+    bf16 = torch.bfloat16
+    # 8B heads (32 query heads over 8 KV heads) on 132 SMs; programs = ceil(tokens * 4 / 128) * 8
+    assert launch_shape(100, 4, 8, 128, bf16, 132) == (64, 64, 8)      # 100-token suffix: 32 programs
+    assert launch_shape(512, 4, 8, 128, bf16, 132) == (64, 64, 8)      # 128 programs
+    assert launch_shape(528, 4, 8, 128, bf16, 132) == (128, 64, 8)     # 136 programs
+    assert launch_shape(8192, 4, 8, 128, bf16, 132) == (128, 64, 8)
+    assert launch_shape(528, 4, 8, 128, bf16, 264) == (64, 64, 8)      # a larger GPU wants more rows
+    for tokens in (100, 8192):
+        assert launch_shape(tokens, 4, 8, 128, torch.float32, 132) == (64, 32, 4)
+        assert launch_shape(tokens, 4, 8, 256, bf16, 132) == (64, 32, 4)
+
+
 @interpreter_only
-def test_packed_default_tiles_8b_heads(attend_packed_cpu):
-    # the tiles a GPU launch uses (128 rows of bf16, head dim 128), blocks straddling four requests
+@pytest.mark.parametrize("tiles", [{}, {"block_m": 128, "block_n": 64, "num_warps": 8}])
+def test_packed_default_tiles_8b_heads(attend_packed_cpu, tiles):
+    # the tiles a GPU launch uses (bf16, head dim 128): this short launch's own (64 rows) and a long launch's
+    # (128 rows), blocks straddling four requests
     case = make_packed_case([(0, 0, 50), (2, 30, 9), (1, 0, 1), (3, 0, 40)], groups=4, head_dim=128,
                             dtype=torch.bfloat16, kv_heads=2, rows=80)
-    out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5)
+    out = paged(attend_packed_cpu, case, 16, scale=128 ** -0.5, **tiles)
     torch.testing.assert_close(out, reference_packed(*case, scale=128 ** -0.5), **TOL[torch.bfloat16])
+
+
+@interpreter_only
+@pytest.mark.parametrize("decode_rows", [0, 4, 12, 13, 40])   # none, mid-request, a request's end, all of them
+def test_fused_rows_then_chunks_match_reference(attend_packed_cpu, decode_rows):
+    """A fused step's launch: verify rows of 4 tokens on four slots at their lengths, then two prompt chunks; the
+    rows' tokens in small blocks and the rest in the kernel's own (attend_rows_then_packed), every token as the
+    reference attends it, wherever the split falls."""
+    from minedraft_ray.engine.attention import attend_rows_then_packed
+
+    requests = [(0, 9, 4), (3, 20, 4), (2, 1, 4), (4, 30, 4), (5, 0, 11), (1, 6, 5)]
+    case = make_packed_case(requests, groups=2, head_dim=16, dtype=torch.float32)
+
+    def split(*args, **kwargs):
+        return attend_rows_then_packed(attend_packed_cpu, *args, decode_rows=decode_rows, **kwargs)
+    out = paged(split, case, 4, scale=0.25)
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[torch.float32])

@@ -77,19 +77,25 @@ def test_psd_vs_sd_compares_channels_in_one_call(ray_cluster, tmp_path):
 
 
 def test_paged_kv_smoke(tmp_path):
-    """Concurrency, prefix cache (same tokens with and without it, hits with it) and decode rows of the paged-KV
+    """Concurrency (requests admitted into the pool the engine built, against the static slots of its memory),
+    prefix cache (same tokens with and without it, hits with it), decode and attention-tile rows of the paged-KV
     bench."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "bench.paged_kv", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pq.read_table(tmp_path / "paged_kv.parquet").to_pylist()
-    assert {r["part"] for r in rows} == {"concurrency", "prefix", "prefix tokens/s", "decode"}
+    assert {r["part"] for r in rows} == {"concurrency", "prefix", "prefix tokens/s", "decode", "tiles"}
     prefix = {r["variant"]: r for r in rows if r["part"] == "prefix"}
     assert prefix["cached"]["same_tokens"] and prefix["cached"]["hit_rate"] > 0 == prefix["uncached"]["hit_rate"]
-    concurrency = next(r for r in rows if r["part"] == "concurrency")
-    assert concurrency["peak_running"] > 0 and concurrency["slots_static"] > 0
-    assert all(r["step_ms"] > 0 for r in rows if r["part"] == "decode")
+    concurrency = {r["variant"]: r for r in rows if r["part"] == "concurrency"}
+    static, whole, admitted = (concurrency[v] for v in ("static", "paged, whole sequence", "paged, at admission"))
+    # the smoke pool: 200 blocks of 16 tokens; each resident request holds what it was admitted with
+    assert static["requests"] == static["kv_tokens"] // (256 + 10) > 0
+    assert static["requests"] < whole["requests"] < admitted["requests"]
+    assert whole["requests"] * whole["mean_tokens"] <= whole["kv_tokens"]
+    assert all(r["step_ms"] > 0 for r in rows if r["part"] in ("decode", "tiles"))
+    assert [r["chosen"] for r in rows if r["part"] == "tiles"] == ["64x64/8w"] * 2
     assert (tmp_path / "paged_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,7 +1,8 @@
 """Chunked prefill through the Ray runtime (real local cluster, tiny models, fp32 CPU): prompts cut into chunks
-under the per-step token budget, riding along with the decode/verify steps, still give `ar`'s greedy output
-token for token in every mode, at every chunk size, including chunks that end mid-prompt at awkward lengths;
-and a drafter killed while prompts are being prefilled chunk by chunk fails no request."""
+under the per-step token budget, riding along with the decode/verify steps (fused into the verify's launch, or
+launches of their own), still give `ar`'s greedy output token for token in every mode, at every chunk size,
+including chunks that end mid-prompt at awkward lengths and budgets smaller than a verify's rows; and a drafter
+killed while prompts are being prefilled chunk by chunk fails no request."""
 import math
 import time
 
@@ -18,7 +19,9 @@ LONG = ("Chunked prefill cuts a long prompt into pieces that ride along with the
 PROMPTS = ["def fibonacci(n):", LONG, "a", "import os\nimport sys\n\n", LONG * 2, "x = [1, 2, 3]\nfor i in x:",
            "# comment", "The quick brown fox jumps over"]
 LENGTHS = [12, 20, 7, 16, 9, 14, 5, 18]
-CHUNKS = (1, 3, 7, 0)   # prompt tokens per step; 0: unchunked
+# (prompt tokens per step, fused into the verify's launch); 0: unchunked. k = 3: a verify row is 4 tokens, so a
+# budget of 1 or 3 fits no verify (the chunk goes alone), 7 one row, 13 three rows and a chunk
+CHUNKS = ((1, True), (3, True), (7, True), (13, True), (7, False), (0, False))
 
 
 def greedy(n):
@@ -45,22 +48,24 @@ def reference(tiny_llama):
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # ar is sd's chain without drafts, sd_split psd's (suite time)
 def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
     """max_batch 3 of 8 prompts: later prompts are admitted, and chunked, while others decode. Each chunk size
-    in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut, and a budget
-    that all the prompts fit takes as many prefill tasks as whole prompts do (it cuts nothing)."""
+    in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut (and, fused,
+    rode verifies), and a budget that all the prompts fit takes as many prefill tasks as whole prompts do (it cuts
+    nothing)."""
     llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
               torch_threads=1, **({"psd_high_load": "psd"} if mode == "psd" else {}))
     try:
         prompt_lengths = [len(llm._encode(p)) for p in PROMPTS]
         assert max(prompt_lengths) > 100 and len(set(prompt_lengths)) == len(PROMPTS)
         fits = 2 * sum(prompt_lengths)   # psd's split halves the budget
-        tasks_at = {}
-        for chunk in CHUNKS + (fits,):
-            before = llm.info()["prefill_tasks"]
-            reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
+        tasks_at, fused_at = {}, {}
+        for chunk, fused in CHUNKS + ((fits, False), (fits, True)):
+            before = llm.info()
+            reconfigure_when_idle(llm, prefill_chunk_tokens=chunk, fused_prefill=fused)
             outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], (chunk, fused)
             info = llm.info()
-            tasks = tasks_at[chunk] = info["prefill_tasks"] - before
+            tasks = tasks_at[chunk, fused] = info["prefill_tasks"] - before["prefill_tasks"]
+            fused_at[chunk, fused] = info["fused_prefills"] - before["fused_prefills"]
             if chunk:   # one task holds at most `chunk` tokens
                 assert tasks >= math.ceil(sum(prompt_lengths) / chunk), (chunk, tasks)
             else:       # whole prompts: at most one task per admission
@@ -68,7 +73,27 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, 
             if mode != "ar":
                 assert sum(o.stats["accepted"] for o in outs) > 0
             assert info["prefill_pending"] == 0
-        assert tasks_at[fits] == tasks_at[0], tasks_at
+        assert tasks_at[fits, False] == tasks_at[0, False], tasks_at
+        # chunks rode verifies where one left room in the budget, and only with fusion on
+        assert fused_at[13, True] > 0 and fused_at[fits, True] > 0, fused_at
+        assert fused_at[1, True] == fused_at[3, True] == fused_at[7, False] == fused_at[0, False] == 0, fused_at
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd_split"])
+def test_fused_chunks_equal_ar_in_the_other_modes(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+    """ar and sd_split with chunks fused into their verifies (sd's and psd's step paths above): ar's output at a
+    budget that fits one row and a chunk, and at one that fits three."""
+    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
+              torch_threads=1, prefill_chunk_tokens=5)
+    try:
+        for chunk in (5, 13):
+            reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
+            before = llm.info()["fused_prefills"]
+            outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
+            assert llm.info()["fused_prefills"] > before, chunk
     finally:
         llm.shutdown()
 

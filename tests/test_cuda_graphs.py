@@ -51,3 +51,34 @@ def test_cuda_graphed_prefill_matches_eager(tiny_llama, lengths, shape, bucket, 
     first = logits[1].argmax(-1)
     assert _greedy(graphed, slots, first, 6) == _greedy(eager, slots, first, 6)
     assert _greedy(graphed, [0], first[:1] * 0 + 7, 4) == _greedy(eager, [0], first[:1] * 0 + 7, 4)
+
+
+@pytest.mark.parametrize("q", [1, 4])
+@pytest.mark.parametrize("chunk_lengths", [[5], [40, 3], [300], [500, 200], [550, 500]])
+def test_cuda_graphed_fused_step_matches_separate_launches(tiny_llama, q, chunk_lengths):
+    """A verify's rows and prompt chunks in one launch (step_with_chunks), graphed by token count and row count
+    (or eager past the largest bucket), give the logits and lengths of the separate graphed launches: the ids and
+    slots of the rows are written on the device into the graph's input, and the rows' attention in small blocks
+    and the chunks' in prefill-sized ones cover every token."""
+    fused, separate = _runners(tiny_llama)
+    gen = torch.Generator().manual_seed(q)
+    contexts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 57, 130)]
+    chunks = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in chunk_lengths]
+    ids = torch.randint(3, 500, (3, q), generator=gen).cuda()
+    slots, chunk_slots = torch.tensor([0, 2, 1], device="cuda"), [5, 4][:len(chunks)]
+    for runner in (fused, separate):
+        runner.prefill([0, 2, 1], contexts)
+        runner.prefill([5], [list(range(3, 20))])   # an earlier request's length: the chunk restarts the slot
+    before = set(fused._fused_graphs)
+    # the smallest token bucket that holds the rows and the chunks (with the rows' own bucket: their attention
+    # takes small blocks up to it), or eager past the largest
+    bucket = next((n for n in fused.packed_buckets if n >= 3 * q + sum(chunk_lengths)), None)
+    key = (bucket, min(16, bucket)) if bucket else None   # 3 rows of q <= 4 tokens: the first row bucket
+    got, got_chunks = fused.step_with_chunks(slots, ids, chunk_slots, [0] * len(chunks), chunks)
+    got, got_chunks = got.clone(), got_chunks.clone()
+    want_chunks = separate.prefill_chunks(chunk_slots, [0] * len(chunks), chunks).clone()
+    want = separate.step(slots, ids).clone()
+    assert set(fused._fused_graphs) - before == ({key} if key and key not in before else set())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-4, atol=1e-4)
+    assert fused.cache.lengths.tolist() == separate.cache.lengths.tolist()

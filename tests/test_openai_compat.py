@@ -71,7 +71,7 @@ def server(ray_cluster, hf_home, monkeypatch_module):  # noqa: F811
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http = serve.context._get_global_client().http_config
     args = {"target": TARGET_ID, "draft": DRAFT_ID, "mode": "psd", "k": 3, "max_batch": 4, "max_queued": 32,
-            "max_len": 256, "chat_template": TEMPLATE, "cors_allow_origins": ORIGIN}
+            "max_len": 256, "chat_template": TEMPLATE, "cors_allow_origins": ORIGIN, "prefix_caching": True}
     serve.run(build_app(args), name="compat", route_prefix="/")
     yield f"http://{http.host}:{http.port}"
     serve.delete("compat")
@@ -405,7 +405,8 @@ def test_prometheus_scrapes_vllm_series(server, client, tmp_path_factory):
             "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count",
             "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count",
             "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-            "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total")}
+            "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total", "vllm:request_num_preemptions_count")}
         base["length"] = sample(before, "vllm:request_success_total", finished_reason="length")
         expected = {
             f"sum(vllm:generation_tokens_total{{{sel}}})": base["vllm:generation_tokens_total"] + sum(lengths),
@@ -424,6 +425,12 @@ def test_prometheus_scrapes_vllm_series(server, client, tmp_path_factory):
                 base["vllm:spec_decode_num_accepted_tokens_total"] + sum(s["accepted"] for s in stats),
             f"sum(vllm:spec_decode_num_accepted_tokens_per_pos_total{{{sel}}})":
                 base["vllm:spec_decode_num_accepted_tokens_per_pos_total"] + sum(s["accepted"] for s in stats),
+            # prefix caching on: each prompt's tokens looked up once (the pool is far larger than these need)
+            f"sum(vllm:prefix_cache_queries_total{{{sel}}})":
+                base["vllm:prefix_cache_queries_total"] + sum(o.usage.prompt_tokens for o in outs),
+            f"sum(vllm:num_preemptions_total{{{sel}}})": base["vllm:num_preemptions_total"],
+            f"sum(vllm:request_num_preemptions_count{{{sel}}})":
+                base["vllm:request_num_preemptions_count"] + len(outs),
             f"sum(vllm:num_requests_running{{{sel}}})": 0,
             f"sum(vllm:num_requests_waiting{{{sel}}})": 0,
             f"sum(vllm:kv_cache_usage_perc{{{sel}}})": 0,

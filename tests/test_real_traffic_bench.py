@@ -30,23 +30,29 @@ def test_long_prompt_gaps_split_the_gaps_by_overlap():
 
 
 def test_smoke(ray_cluster, tmp_path):
-    # sd only (ar is the same code without the drafter): two engines built, the suite's time kept short
+    # sd only (ar is the same code without the drafter): three engines built, the suite's time kept short
     assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "2", "--chunk", "16",
                  "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
     closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
-    assert set(closed) == {("sd", "padded"), ("sd", "chunked")}
+    assert set(closed) == {("sd", "padded"), ("sd", "chunked"), ("sd", "fused")}
     for (mode, engine), r in closed.items():
-        assert r["completed"] == 6 and r["prefill_tokens_per_s"] > 0 and r["tokens_per_s"] > 0
-        assert r["prefill_chunk_tokens"] == (16 if engine == "chunked" else 0)
+        assert r["completed"] == 6 and r["tokens_per_s"] > 0
+        # fused chunks' time is inside their verifies': no prefill rate then
+        assert r["prefill_tokens_per_s"] > 0 if engine != "fused" or not r["fused_prefills"] else \
+            r["prefill_tokens_per_s"] is None
+        assert r["prefill_chunk_tokens"] == (0 if engine == "padded" else 16)
+        assert r["fused_prefill"] == (engine == "fused")
+        assert r["fused_prefills"] == 0 or engine == "fused"
+        assert r["verify_ms_p50"] > 0 and (r["fused_verify_ms_p50"] is None) == (r["fused_prefills"] == 0)
     # more prefill tasks than requests only where prompts are cut
     assert closed[("sd", "chunked")]["prefill_tasks"] > closed[("sd", "padded")]["prefill_tasks"]
     online = [r for r in rows if r["workload"] == "online"]
     assert len({r["rate_rps"] for r in online}) == 1   # the same absolute rate for both engines
     assert all(r["completed"] >= 1 and r["ttft_p50_ms"] > 0 for r in online)
-    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked"}
+    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused"}
     md = (tmp_path / "real_traffic.md").read_text()
     assert "`python -m bench.real_traffic --smoke" in md and "lognormal" in md and "seed 0" in md
-    assert "prefill prompt tokens/s chunked / padded" in md
+    assert "prefill prompt tokens/s chunked / padded" in md and "fused" in md
     assert (tmp_path / "real_traffic.png").is_file()

@@ -125,6 +125,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
         launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
         assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
+        assert llm.info()["fused_prefills"] > 0   # fused verifies take their prefill's number: none skipped
         if mode == "psd":
             check_balance(llm.history(), max_batch=3)
             # the drafter follows the verifier's overlap: threaded too, its tasks launched once each, in order

@@ -13,8 +13,9 @@ from minedraft_ray.runtime import LLM
 def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_draft, draft_temperature, transport,
                                            chunk):
     """Sampling through psd (drafts made ahead; greedy or probabilistic drafting, whose q travel with the
-    ids, through either draft channel; prompts whole or cut by a 64-token budget, so a prefill task ends in
-    the middle of a prompt) gives the target's exact distribution of the first three tokens."""
+    ids, through either draft channel; prompts cut by the default budget, their chunks riding inside verify
+    launches, or by a 64-token one, so a prefill task ends in the middle of a prompt) gives the target's exact
+    distribution of the first three tokens."""
     from stats import assert_first_three_tokens_follow_target
     params = dict(temperature=0.8, top_k=3)
     n = 1500
@@ -27,6 +28,8 @@ def test_psd_sampled_output_follows_target(ray_cluster, tiny_llama, tiny_llama_d
                                            for s in range(n)])
         assert any(h.regime == "psd" for h in llm.history())
         assert llm.info()["drafts_ahead_used"] > 0
+        if chunk is None:   # the default budget: chunks rode inside verify launches (fused_prefill)
+            assert llm.info()["fused_prefills"] > 0
     finally:
         llm.shutdown()
     assert_first_three_tokens_follow_target(outs, tiny_llama, prompt, SamplingParams(**params))

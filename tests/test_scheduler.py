@@ -13,6 +13,8 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 - chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
   cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
   decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
+- fused prefill (a chunk inside a verify's task): the launch's tokens (the verify's k + 1 per row, 1 in ar, and
+  the chunk's) never exceed the budget, and a verify's rows are prefilled before its launch, not in it;
 - run beside the unchunked scheduler on the same events, a budget that every waiting prompt fits plans what
   whole prompts plan, call for call;
 - KV blocks (here with pools large enough never to run short; tests/test_runtime_paging.py runs the same driver
@@ -28,6 +30,7 @@ import subprocess
 import sys
 from collections import deque
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -110,22 +113,15 @@ class Driver:
         task = self.inflight.popleft()
         check_writes_kept(self, task)
         if isinstance(task, PrefillPlan):
-            self.sched.commit_prefill(task)
-            for c in task.chunks:   # the verifier runs its tasks in order: this one continues the chunks before
-                assert self.prefilled.get(id(c.state), c.state.cached_tokens) == c.start, \
-                    f"{c.state.id}: a chunk out of order"
-                self.prefilled[id(c.state)] = c.stop
-                if not c.last or c.state.resumed:
-                    self.sched.release(c.state)
-            # a resumed request's prefill samples nothing: it has its tokens
-            rows = [c.state for c in task.chunks if c.last and not c.state.resumed]
+            rows = self.complete_prefill(task)
             num_drafts = [0] * len(rows)
         else:
-            for s in task.rows:   # the verify runs now: every rider's prefill is in the KV
+            for s in task.rows:   # the verify runs now: every rider's prefill is in the KV (a fused chunk is not)
                 assert self.prefilled.get(id(s), s.cached_tokens) == s.prefill_len, \
                     f"{s.id} verified before its prefill completed"
+            started = self.complete_prefill(task.prefill) if task.prefill is not None else []
             self.sched.commit_verify(task)
-            rows, num_drafts = task.rows, [K if i >= 0 else 0 for i in task.draft_index]
+            rows, num_drafts = started + task.rows, [0] * len(started) + [K if i >= 0 else 0 for i in task.draft_index]
         tokens = [emit(nd) for nd in num_drafts]
         live = []
         for state, toks, nd in zip(rows, tokens, num_drafts):
@@ -142,6 +138,18 @@ class Driver:
             self.schedule(task.batch)
         elif self.schedule_after_prefill or not self.inflight:
             self.schedule(None)
+
+    def complete_prefill(self, task: PrefillPlan) -> list[RequestState]:
+        """A prefill's chunks are in the KV -> the requests whose first token it sampled."""
+        self.sched.commit_prefill(task)
+        for c in task.chunks:   # the verifier runs its tasks in order: this one continues the chunks before
+            assert self.prefilled.get(id(c.state), c.state.cached_tokens) == c.start, \
+                f"{c.state.id}: a chunk out of order"
+            self.prefilled[id(c.state)] = c.stop
+            if not c.last or c.state.resumed:
+                self.sched.release(c.state)
+        # a resumed request's prefill samples nothing: it has its tokens
+        return [c.state for c in task.chunks if c.last and not c.state.resumed]
 
     def stop_string(self, i: int) -> None:
         """A stop string is matched on the text, above the engine: the caller aborts the request."""
@@ -168,12 +176,13 @@ class Driver:
                 self.admitted_at[id(state)] = state.admitted_at
                 self.admissions[id(state)] = self.admissions.get(id(state), 0) + 1
         # requests that decode in this call's verifies without having been started by its prefills
-        started = {id(c.state) for p in plan.prefills for c in p.chunks if c.last}
+        fused = [v.prefill for v in plan.verifies if v.prefill is not None]
+        started = {id(c.state) for p in plan.prefills + fused for c in p.chunks if c.last}
         decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
-        check_prefills(self, plan.prefills, decoding)
+        check_prefills(self, plan.prefills + fused, decoding)
         self.plans.append(self.plan_shape(plan))
         # the manager's order: each prefill (the drafter's chunks behind it), then each verify with the round it
-        # takes first and the round drafted behind it after
+        # takes first and the round drafted behind it after (a fused verify's chunks go to the drafter first)
         for prefill in plan.prefills:
             self.submit_to_verifier(prefill, [(c.state.slot, c.stop) for c in prefill.chunks])
             if any(c.to_drafter for c in prefill.chunks):
@@ -182,13 +191,19 @@ class Driver:
             check_round_consistency(self.sched, verify)
             check_prompts_planned(self, verify)
             check_verify_blocks(self, verify)
+            check_fused(self, verify)
+            chunks = verify.prefill.chunks if verify.prefill is not None else []
+            if any(c.to_drafter for c in chunks):
+                self.submit_to_drafter([(c.state.slot, c.stop) for c in chunks if c.to_drafter])
             if verify.fresh is not None:
                 self.submit_to_drafter([(row.state.slot, None) for row in verify.fresh.rows])
-            self.submit_to_verifier(verify, [(s.slot, None) for s in verify.rows])
+            self.submit_to_verifier(verify, [(s.slot, None) for s in verify.rows] + [(c.state.slot, c.stop)
+                                                                                   for c in chunks])
             if verify.next_round is not None:
                 self.submit_to_drafter([(row.state.slot, None) for row in verify.next_round.rows])
         check_balance(self.sched)
         check_blocks(self)
+        check_resumes_first(self.sched)
 
     def _apply_edits(self, role: KVRole) -> None:
         edits = self.sched.take_edits(role)
@@ -229,7 +244,7 @@ class Driver:
             return None if round_ is None else [(number[id(r.state)], r.verify_row, r.all_but_two) for r in round_.rows]
         prefills = [[(number[id(c.state)], c.start, c.stop, c.to_drafter) for c in p.chunks] for p in plan.prefills]
         verifies = [(v.batch, v.regime, [number[id(s)] for s in v.rows], v.draft_index, rows(v.ahead), rows(v.fresh),
-                     rows(v.next_round)) for v in plan.verifies]
+                     rows(v.next_round), v.prefill is not None) for v in plan.verifies]
         return [number[id(s)] for s in plan.finished], prefills, verifies
 
     def finish(self, state: RequestState, reason) -> None:
@@ -254,6 +269,13 @@ def check_balance(sched: Scheduler) -> None:
         assert abs(a - b) <= 1, (a, b)
     if sched.mode != "psd":
         assert b == 0
+
+
+def check_resumes_first(sched: Scheduler) -> None:
+    """Preempted requests wait in front of every new arrival: admission is FIFO, so they resume first (and
+    `queue_full` counts them there)."""
+    resuming = [bool(s.request.stats.preemptions) for s in sched.waiting]
+    assert resuming == sorted(resuming, reverse=True), "a new arrival waits in front of a preempted request"
 
 
 def check_one_verify_per_request(driver: Driver) -> None:
@@ -317,6 +339,28 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
             assert not decoding and not any(c.last for c in prefill.chunks), "two prefills rode one step"
 
 
+def check_fused(driver: Driver, verify: VerifyPlan) -> None:
+    """A verify carrying a prefill: fusion on, its launch (k + 1 tokens per row, 1 in ar, and the chunks) within
+    the step's budget (half of it while psd splits), none of its rows started by its own chunks, and the chunks'
+    first tokens after its rows in its result."""
+    if verify.prefill is None:
+        return
+    sched = driver.sched
+    assert sched.config.fuse_prefill and sched.config.prefill_budget is not None
+    budget = sched.config.prefill_budget
+    if sched.mode == "psd" and all(sched.batches) and not sched.one_batch:
+        budget = max(1, budget // 2)
+    width = 1 if verify.regime == "ar" else K + 1
+    tokens = len(verify.rows) * width + verify.prefill.num_tokens
+    assert tokens <= budget, f"a fused launch of {tokens} tokens, budget {budget}"
+    chunk_states = {id(c.state) for c in verify.prefill.chunks}
+    assert not any(id(s) in chunk_states for s in verify.rows), "a request rides the launch its own chunk is in"
+    assert verify.prefill.first_row == len(verify.rows)
+    for row, c in enumerate(verify.prefill.chunks):
+        if c.last:
+            assert c.state.prefill_row == len(verify.rows) + row
+
+
 def check_prompts_planned(driver: Driver, verify: VerifyPlan) -> None:
     """A verify (and the rounds it takes and is followed by) holds only requests whose every prompt chunk is
     submitted ahead of it."""
@@ -372,11 +416,11 @@ def check_drained_blocks(driver: Driver) -> None:
         assert pool.num_available == pool.num_blocks - 1 and not any(pool.held), "blocks leaked"
     for s in driver.states:
         admitted = driver.admissions.get(id(s), 0)
-        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.num_preemptions) else 1
-        assert admitted == s.request.num_preemptions + resumes_owed, \
-            (s.id, admitted, s.request.num_preemptions, s.aborted)
+        resumes_owed = 0 if (s.aborted and s.slot is None and admitted == s.request.stats.preemptions) else 1
+        assert admitted == s.request.stats.preemptions + resumes_owed, \
+            (s.id, admitted, s.request.stats.preemptions, s.aborted)
     assert driver.preemptions == driver.sched.counters["preemptions"] == \
-        sum(s.request.num_preemptions for s in driver.states)
+        sum(s.request.stats.preemptions for s in driver.states)
 
 
 def check_all(driver: Driver) -> None:
@@ -384,11 +428,14 @@ def check_all(driver: Driver) -> None:
     check_slots(driver)
     check_balance(driver.sched)
     check_blocks(driver)
+    check_resumes_first(driver.sched)
 
 
 # ---- the property --------------------------------------------------------------------------------------
 ARRIVE = st.tuples(st.just("arrive"), st.integers(1, 20), st.integers(1, 16), st.booleans())
 BUDGETS = st.sampled_from([None, 1, 2, 3, 5, 8, 13])   # prompt tokens per step (None: unchunked)
+# fused prefill's budgets bound a verify's rows too (k + 1 = 4 tokens each): some fit no verify, some a few rows
+FUSED_BUDGETS = st.sampled_from([None, 1, 3, 5, 9, 13, 21, 40])
 COMPLETE = st.tuples(st.just("complete"))
 EVENTS = st.one_of(
     ARRIVE, ARRIVE, ARRIVE, COMPLETE, COMPLETE, COMPLETE, COMPLETE,
@@ -408,11 +455,12 @@ def tokens(num_drafts: int):
 
 
 def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None,
-                   num_blocks: int | None = None, block_size: int = 4, prefix_caching: bool = False) -> Scheduler:
-    """num_blocks: blocks per model (None: enough that no pool runs short)."""
+                   num_blocks: int | None = None, block_size: int = 4, prefix_caching: bool = False,
+                   fuse: bool = False) -> Scheduler:
+    """num_blocks: blocks per model (None: enough that no pool runs short); fuse: fused prefill."""
     max_running = 2 * max_batch if mode == "psd" else max_batch
     sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd",
-                                      budget, k=K, prefix_caching=prefix_caching))
+                                      budget, fuse_prefill=fuse, k=K, prefix_caching=prefix_caching))
     sched.drafter_alive = mode in ("psd", "sd_split")
     per_slot = -(-(MAX_LEN + HEADROOM) // block_size)
     spec = KVPoolSpec(num_blocks or max_running * per_slot + 1, block_size, per_slot)
@@ -421,7 +469,7 @@ def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | N
 
 
 def run_events(mode, max_batch, min_requests, events, emit, budget=None, schedule_after_prefill=True,
-               **pools) -> Driver:
+               **pools) -> Driver:   # pools: make_scheduler's keywords (fuse too)
     """Play the events, then drain; emit(num_drafts) -> a verify row's tokens."""
     driver = Driver(make_scheduler(mode, max_batch, min_requests, budget, **pools), schedule_after_prefill)
     for event in events:
@@ -473,6 +521,27 @@ def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budg
        events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
 def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
     run_events(mode, max_batch, 2, events, drawn(data), budget)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=FUSED_BUDGETS,
+       events=st.lists(EVENTS, min_size=10, max_size=100), data=st.data())
+def test_fused_prefill_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
+    """Every invariant above with the chunk riding inside the verify's launch, at budgets that fit no verify, a few
+    rows, or whole prompts: no fused launch over the budget, no request verified in its own chunk's launch."""
+    run_events(mode, max_batch, 2, events, drawn(data), budget, fuse=True)
+
+
+@pytest.mark.parametrize("mode", ["psd", "sd_split", "sd", "ar"])
+def test_chunks_ride_inside_verifies_while_requests_decode(mode):
+    """Not vacuous: with requests decoding, later prompts' chunks ride inside verifies (and while nothing decodes
+    they go on their own, back to back); a budget no verify leaves room in keeps every chunk its own task."""
+    def fused_verifies(budget):
+        events = [("arrive", 3, 12, False)] + [("complete",)] * 3 + [("arrive", 20, 4, False)] + [("complete",)] * 6
+        driver = run_events(mode, 2, 2, events, seeded(1), budget, fuse=True)
+        return sum(v[-1] for _, _, verifies in driver.plans for v in verifies)
+    assert fused_verifies(13) > 0
+    assert fused_verifies(1) == 0
 
 
 def seeded(seed: int):

@@ -61,6 +61,9 @@ def test_engine_gaps_per_batch_chain():
     assert stats["prefill_step_share"] == pytest.approx(0.2)
     assert stats["engine_gap_p50_ms"] == pytest.approx(45) and stats["engine_gap_steady_p99_ms"] == pytest.approx(45)
     assert stats["engine_step_p50_ms"] == 5.0 and stats["engine_step_p99_ms"] == 40.0
+    # a chunk fused into the verify's launch makes a step with prefill too
+    fused = StepRecord("ar", (1, 0), 1, 0, step_ms=5.0, extra={"fused_prefill_tokens": 64})
+    assert engine_stats([fused, step(0, 1.0, 1, 1)])["prefill_step_share"] == 0.5
 
 
 def test_merge_replaces_a_configuration():

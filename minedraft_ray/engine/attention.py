@@ -85,10 +85,32 @@ def attend_packed_reference(q, k_cache, v_cache, block_tables, token_slots, posi
     return out
 
 
-def attend_packed(q, k_cache, v_cache, block_tables, token_slots, positions, scale) -> torch.Tensor:
+# query rows (token, group member) per program for a fused step's decode/verify rows: the least a dot takes
+ROW_BLOCK_M = 16
+
+
+def attend_packed(q, k_cache, v_cache, block_tables, token_slots, positions, scale, decode_rows: int = 0
+                  ) -> torch.Tensor:
     # q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [S, W]; token_slots, positions: [T]
+    # decode_rows: tokens at the front that a fused step's decode/verify rows hold (a few per slot). A kernel
+    # program of prefill-sized blocks would walk each of a block's slots' keys in turn, many slots for such rows;
+    # small blocks (a slot or a few each) keep them parallel. The rest, prompt chunks, keep the large blocks.
     if q.is_cuda:
         kernel = triton_op("attention_packed_triton", "attend_packed_triton")
         if kernel is not None:
-            return kernel(q, k_cache, v_cache, block_tables, token_slots, positions, scale)
+            return attend_rows_then_packed(kernel, q, k_cache, v_cache, block_tables, token_slots, positions, scale,
+                                           decode_rows)
     return attend_packed_reference(q, k_cache, v_cache, block_tables, token_slots, positions, scale)
+
+
+def attend_rows_then_packed(kernel, q, k_cache, v_cache, block_tables, token_slots, positions, scale,
+                            decode_rows: int) -> torch.Tensor:
+    """The packed kernel over the first `decode_rows` tokens in small blocks, then over the rest in its own."""
+    if decode_rows <= 0:
+        return kernel(q, k_cache, v_cache, block_tables, token_slots, positions, scale)
+    n = min(decode_rows, q.shape[0])
+    rows = kernel(q[:n], k_cache, v_cache, block_tables, token_slots[:n], positions[:n], scale, block_m=ROW_BLOCK_M)
+    if n == q.shape[0]:
+        return rows
+    rest = kernel(q[n:], k_cache, v_cache, block_tables, token_slots[n:], positions[n:], scale)
+    return torch.cat([rows, rest])

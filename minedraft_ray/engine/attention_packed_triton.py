@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_triton import num_sms
+
 LOG2E = 1.4426950408889634
 NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done never win the min
 
@@ -84,21 +86,31 @@ def _attend_packed_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def launch_shape(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): prefill-sized tiles for 16-bit heads up to 128 wide, smaller ones for wider
-    heads or fp32 so the q tile, accumulator and pipelined K/V tiles fit registers and shared memory."""
-    return (128, 64, 8) if head_dim <= 128 and dtype.itemsize <= 2 else (64, 32, 4)
+def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 sm_count: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for a launch of `tokens` query tokens (a CUDA graph's shape fixes them).
+
+    16-bit heads up to 128 wide: 128-row tiles (each K/V tile read serves more rows) once 128-row programs alone
+    give every SM one; a shorter launch (a suffix over a long cached prefix, a small chunk) walks the same keys
+    with half the rows per program, so twice the programs share the streaming. Wider heads or fp32: smaller
+    tiles, so the q tile, accumulator and pipelined K/V tiles fit registers and shared memory."""
+    if head_dim > 128 or dtype.itemsize > 2:
+        return 64, 32, 4
+    if -(-tokens * groups // 128) * kv_heads >= sm_count:
+        return 128, 64, 8
+    return 64, 64, 8
 
 
 def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          token_slots: torch.Tensor, positions: torch.Tensor, scale: float, *,
-                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                         block_m: int | None = None, block_n: int | None = None,
+                         num_warps: int | None = None) -> torch.Tensor:
     """Token t attends keys 0..positions[t] (inclusive) of slot token_slots[t].
 
     q: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks); block_tables:
     [S, W] int64; token_slots, positions: [T] int64.
-    Returns contiguous [T, Hq, D] in q's dtype. `block_m`/`block_n` override the tiles (tests use them to make
-    blocks straddle requests on tiny shapes).
+    Returns contiguous [T, Hq, D] in q's dtype. `block_m`/`block_n`/`num_warps` override `launch_shape` (tests use
+    them to make blocks straddle requests on tiny shapes; benchmarks to time other tiles).
     """
     T, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
@@ -112,8 +124,8 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if T == 0:
         return out
     G = Hq // Hkv
-    default_m, default_n, num_warps = launch_shape(D, q.dtype)
-    block_m, block_n = block_m or default_m, block_n or default_n
+    default_m, default_n, default_warps = launch_shape(T, G, Hkv, D, q.dtype, num_sms(q.device))
+    block_m, block_n, num_warps = block_m or default_m, block_n or default_n, num_warps or default_warps
     _attend_packed_kernel[(triton.cdiv(T * G, block_m), Hkv)](
         q, k_cache, v_cache, block_tables, token_slots, positions, out,
         scale * LOG2E, T, R,

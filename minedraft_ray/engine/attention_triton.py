@@ -141,7 +141,7 @@ def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS,
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -155,7 +155,7 @@ def launch_shape(batch: int, qlen: int, q_heads: int, kv_heads: int, rows: int, 
     block_n = config.BLOCK_N if head_dim <= 128 else config.BLOCK_N // 2
     programs = batch * kv_heads * triton.cdiv(qlen * q_heads // kv_heads, block_m)
     # enough programs to fill the SMs when the batch is small; never more splits than key blocks in a slot
-    splits = min(triton.cdiv(config.TARGET_WAVES * _num_sms(device), programs), triton.cdiv(rows, block_n),
+    splits = min(triton.cdiv(config.TARGET_WAVES * num_sms(device), programs), triton.cdiv(rows, block_n),
                  config.MAX_SPLITS)
     return block_m, block_n, max(1, splits)
 

@@ -274,7 +274,7 @@ class Engine:
             except BlocksExhaustedError:
                 victim = running.pop()
                 self._free(victim)
-                victim.num_preemptions += 1
+                victim.stats.preemptions += 1
                 self.num_preemptions += 1
                 preempted.append(victim)
         return running, preempted

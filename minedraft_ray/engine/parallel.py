@@ -166,6 +166,14 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_device(torch.cat([slots[:, None], input_ids], 1))
             return super().step(slots, input_ids)
 
+    def step_with_chunks(self, slots: torch.Tensor, input_ids: torch.Tensor, chunk_slots: list[int],
+                         chunk_starts: list[int], chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks, then the step: two calls that the other ranks follow as they follow any (not one launch)."""
+        if not chunks:
+            return self.step(slots, input_ids), torch.empty((0, self.vocab), device=self.device)
+        chunk_logits = self.prefill_chunks(chunk_slots, chunk_starts, chunks).clone()   # maybe a graph's buffer
+        return self.step(slots, input_ids), chunk_logits
+
     def extend(self, slots: list[int], token_lists: list[list[int]], packed: bool | None = None) -> torch.Tensor:
         with self._call(Op.EXTEND, *_lists_header(token_lists, packed)) as send:
             if send:
@@ -223,7 +231,8 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_device(torch.stack([slots, num_tokens]))
             super().rollback(slots, num_tokens)
 
-    def capture_all(self, qs: tuple[int, ...]) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
+        """As ModelRunner's, without fused steps' graphs: a fused step here is its two calls."""
         if not self.use_graphs:
             return
         if len(qs) > HEADER - 2:

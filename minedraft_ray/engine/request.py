@@ -22,6 +22,7 @@ class RequestStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # accepted count at draft index j
     drafted_per_position: list[int] = field(default_factory=list)
+    preemptions: int = 0                   # times its KV blocks were taken back (it was resumed by recompute)
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,7 +62,7 @@ class RequestStats:
                 "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
                 "acceptance_length": self.acceptance_length,
                 "accepted_per_position": list(self.accepted_per_position),
-                "drafted_per_position": list(self.drafted_per_position)}
+                "drafted_per_position": list(self.drafted_per_position), "preemptions": self.preemptions}
 
 
 class Request:
@@ -81,7 +82,6 @@ class Request:
         self.slot: int | None = None
         self.draft_valid = 0      # tokens of the sequence known to be in the drafter's slot
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (re)admission
-        self.num_preemptions = 0
         self.stats = RequestStats(arrival=time.perf_counter())
 
     @property

@@ -17,6 +17,9 @@ server admits per step) replays a graph captured per token-count bucket, padded 
 slot: run eagerly, such a forward is bound by the host launching ~10 kernels per layer, several times its
 device time. Larger launches amortise that and stay eager.
 
+A fused step (`step_with_chunks`) is one packed launch of a decode/verify step's rows and prompt chunks; its
+graphs are keyed by token count and by the rows' token count, whose attention takes small blocks.
+
 The padded path (packed_prefill=False) pads each list to the longest and graphs per (rows, padded length);
 it stays for comparison.
 """
@@ -165,6 +168,8 @@ class ModelRunner:
         graphs_packed = self.use_graphs and triton_op("attention_packed_triton", "attend_packed_triton") is not None
         self.packed_buckets = [n for n in PACKED_GRAPH_TOKENS if n <= max_prefill_tokens] if graphs_packed else []
         self._packed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
+        # fused steps' launches: (token bucket, row bucket) -> graph
+        self._fused_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
     # ---- model calls -------------------------------------------------------------------------
@@ -229,15 +234,20 @@ class ModelRunner:
         return graph
 
     @torch.inference_mode()
-    def capture_all(self, qs: tuple[int, ...]) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
         """Capture every prefill shape and every bucket for each q up front (largest first, so the shared
-        pool is sized once)."""
+        pool is sized once). fused_rows: the most row tokens a fused step holds (step_with_chunks; 0: none will
+        run), whose launches' graphs are captured too."""
         if not self.use_graphs:
             return
         if self.packed_prefill:
             for tokens in reversed(self.packed_buckets):
                 if tokens not in self._packed_graphs:
                     self._packed_graphs[tokens] = self._capture_packed(tokens)
+                for rows in sorted({self._row_bucket(r, tokens) for r in PACKED_GRAPH_TOKENS if r <= fused_rows}
+                                   | ({self._row_bucket(fused_rows, tokens)} if fused_rows else set())):
+                    if (tokens, rows) not in self._fused_graphs:
+                        self._fused_graphs[tokens, rows] = self._capture_packed(tokens, rows)
             self._warm_eager_packed()
         else:
             for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
@@ -292,33 +302,49 @@ class ModelRunner:
                                           to_device(np.diff(launch.cu_seqlens), self.device))
         return out
 
-    def _packed_hidden(self, launch: PackedLaunch) -> torch.Tensor:
+    def _packed_hidden(self, launch: PackedLaunch, fill=None, decode_rows: int = 0) -> torch.Tensor:
         """Hidden states [>= T, H] of one launch: a graph's buffer when T fits a bucket (use it before the
-        next replay), else an eager forward of exactly T tokens."""
+        next replay), else an eager forward of exactly T tokens. fill(packed [3, >= T] on the device), when
+        given, writes the columns whose values only the device holds (a fused step's verify rows) before the run;
+        decode_rows: how many tokens at the front those rows hold (graphed: up to the next row bucket)."""
         tokens = launch.num_tokens
         host = np.stack([launch.token_ids, launch.token_slots, launch.offsets])  # [3, T]: one copy
         bucket = next((n for n in self.packed_buckets if n >= tokens), None)
         if bucket is None:
-            ids, token_slots, offsets = to_device(host, self.device)
-            return self.model.forward_packed(ids, self.cache, token_slots, offsets)
-        if bucket not in self._packed_graphs:
-            self._packed_graphs[bucket] = self._capture_packed(bucket)
-        graph, bufs = self._packed_graphs[bucket]
+            packed = to_device(host, self.device)
+            if fill is not None:
+                fill(packed)
+            return self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], decode_rows)
+        graphs, key = self._packed_graphs, bucket
+        if decode_rows:   # the rows' attention takes small blocks up to a static count (attention.attend_packed)
+            graphs, key = self._fused_graphs, (bucket, self._row_bucket(decode_rows, bucket))
+        if key not in graphs:
+            graphs[key] = self._capture_packed(*((key,) if isinstance(key, int) else key))
+        graph, bufs = graphs[key]
         # the padding tokens sit at position 0 of the scratch slot (its length stays 0), seeing only themselves
         padded = np.zeros((3, bucket), dtype=np.int64)
         padded[1] = self.scratch_slot
         padded[:, :tokens] = host
         bufs["packed"].copy_(to_device(padded, self.device))
+        if fill is not None:
+            fill(bufs["packed"])
         graph.replay()
         return bufs["hidden"]
 
-    def _capture_packed(self, tokens: int):
+    def _capture_packed(self, tokens: int, decode_rows: int = 0):
         packed = torch.zeros((3, tokens), dtype=torch.int64, device=self.device)
         packed[1] = self.scratch_slot
         bufs = {"packed": packed}
         # the graph ends at the hidden states: the last tokens' logits depend on where the requests end
-        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2])  # noqa: E731
+        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2],  # noqa: E731
+                                                    decode_rows)
         return self._graph(bufs, forward, output="hidden"), bufs
+
+    @staticmethod
+    def _row_bucket(rows: int, bucket: int) -> int:
+        """A fused graph's static count of row tokens: the next token bucket up from `rows`, within `bucket` (chunk
+        tokens below it take the rows' small blocks, which is correct, only slower)."""
+        return min(next((n for n in PACKED_GRAPH_TOKENS if n >= rows), bucket), bucket)
 
     # ---- padded path ---------------------------------------------------------------------------
     def _extend_padded(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:
@@ -397,6 +423,49 @@ class ModelRunner:
         # a first chunk riding with later ones restarts a slot that still holds an earlier request's length
         self.set_lengths(slots, starts)
         return self.extend(slots, chunks)
+
+    # ---- fused step: decode/verify rows and prompt chunks in one launch ----------------------------
+    @torch.inference_mode()
+    def step_with_chunks(self, slots: torch.Tensor, input_ids: torch.Tensor, chunk_slots: list[int],
+                         chunk_starts: list[int], chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` and `prefill_chunks` in one packed launch: row b's q tokens continue slot slots[b] at its cache
+        length, as in a step, and chunk i is tokens [chunk_starts[i], + len) of slot chunk_slots[i]'s prompt,
+        the slot holding the tokens before it. The slots of the rows and of the chunks are distinct.
+
+        slots [B] int64 and input_ids [B, q] int64 on the device (a verify's inputs never visit the host);
+        -> (logits [B, q, V] float32 of every row token, [C, V] float32 of each chunk's last token). A step with
+        no chunk is `step` (its graphs); one that does not fit a launch (max_prefill_tokens) is the two calls."""
+        if not chunks:
+            return self.step(slots, input_ids), torch.empty((0, self.vocab), device=self.device)
+        if any(len(c) == 0 for c in chunks) or not len(chunk_slots) == len(chunk_starts) == len(chunks):
+            raise ValueError("step_with_chunks needs one non-empty chunk per chunk slot and start")
+        batch, q = input_ids.shape
+        rows = batch * q
+        if rows + sum(len(c) for c in chunks) > self.max_prefill_tokens:
+            chunk_logits = self.prefill_chunks(chunk_slots, chunk_starts, chunks).clone()   # maybe a graph's buffer
+            return self.step(slots, input_ids), chunk_logits
+        # a first chunk restarts a slot that may still hold an earlier request's length
+        self.set_lengths(chunk_slots, chunk_starts)
+        # the rows go first, as pieces of q tokens whose ids and slots the device fills in; then the chunks
+        pieces = [PrefillPiece(index, 0, len(chunk)) for index, chunk in enumerate(chunks)]
+        chunk_launch = pack(pieces, chunk_slots, chunks)
+        sizes = np.diff(chunk_launch.cu_seqlens)
+        launch = PackedLaunch(tuple(pieces), np.concatenate([np.zeros(rows, np.int64), chunk_launch.token_ids]),
+                              np.concatenate([np.zeros(rows, np.int64), chunk_launch.token_slots]),
+                              np.concatenate([np.tile(np.arange(q, dtype=np.int64), batch), chunk_launch.offsets]),
+                              rows + chunk_launch.cu_seqlens, chunk_launch.piece_slots)
+
+        def fill(packed: torch.Tensor) -> None:
+            packed[0, :rows] = input_ids.reshape(-1)
+            packed[1, :rows] = slots[:, None].expand(batch, q).reshape(-1)
+
+        hidden = self._packed_hidden(launch, fill, decode_rows=rows)   # [>= rows + chunk tokens, H]
+        # every row token's logits, and each chunk's last token's, in one head call
+        wanted = np.concatenate([np.arange(rows, dtype=np.int64), launch.cu_seqlens[1:] - 1])
+        logits = self.model.compute_logits(hidden[to_device(wanted, self.device)])[..., :self.vocab]
+        self.cache.lengths.index_add_(0, slots, torch.full_like(slots, q))
+        self.cache.lengths.index_add_(0, to_device(chunk_launch.piece_slots, self.device), to_device(sizes, self.device))
+        return logits[:rows].view(batch, q, -1), logits[rows:]
 
     # ---- blocks and lengths --------------------------------------------------------------------
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:

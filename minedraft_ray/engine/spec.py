@@ -112,6 +112,20 @@ class VerifyResult:
         logprobs = tuple(to_host_async(t) for t in self.logprobs) if self.logprobs is not None else None
         return VerifyResult(to_host_async(self.tokens), to_host_async(self.num_emitted), logprobs)
 
+    def then(self, other: "VerifyResult") -> "VerifyResult":
+        """This result's rows followed by `other`'s (a fused step: the verify's, then its chunks' first tokens);
+        the narrower one's tokens are padded with -1 (past its emitted ones), and both carry logprobs or neither."""
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+
+        def wide(t: torch.Tensor, fill) -> torch.Tensor:   # [B, w, ...] -> [B, width, ...]
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+            return torch.nn.functional.pad(t, pad, value=fill)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = tuple(torch.cat([wide(a, 0), wide(b, 0)]) for a, b in zip(self.logprobs, other.logprobs))
+        return VerifyResult(torch.cat([wide(self.tokens, -1), wide(other.tokens, -1)]),
+                            torch.cat([self.num_emitted, other.num_emitted]), logprobs)
+
     def to_host(self) -> tuple[list[list[int]], list[list[dict]] | None]:
         """The emitted tokens per row (and their logprobs), copied to the host in one go."""
         emitted = self.num_emitted.tolist()
@@ -123,6 +137,17 @@ class VerifyResult:
                       "top": list(zip(top_ids[b][i], top_lp[b][i]))} for i in range(n)]
                     for b, n in enumerate(emitted)]
         return tokens, logprobs
+
+
+@dataclass(frozen=True)
+class PromptChunks:
+    """Prompt chunks riding a verify's target pass: chunk i is tokens [starts[i], starts[i] + len(tokens[i])) of
+    slot slots[i]'s prompt (the slot holds the tokens before it); its last token's sample (row i of `batch`,
+    output position 0) is the request's first token where the chunk ends the prompt."""
+    slots: list[int]
+    starts: list[int]
+    tokens: list[list[int]]
+    batch: SamplingBatch
 
 
 class Verifier:
@@ -142,7 +167,11 @@ class Verifier:
             logits = self.runner.prefill(slots, prompts, cached=cached)      # [B, V]
         else:
             logits = self.runner.prefill_chunks(slots, starts or [0] * len(slots), prompts)   # [B, V]
-        positions = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
+        return self._first_tokens(logits, batch, num_logprobs)
+
+    def _first_tokens(self, logits: torch.Tensor, batch: SamplingBatch, num_logprobs: int) -> VerifyResult:
+        # logits [B, V] of each prompt's last token -> its first token, at output position 0
+        positions = torch.zeros(logits.shape[0], dtype=torch.int64, device=self.device)
         first = sample(logits, batch, positions)                         # [B]
         lp = logprobs_topk(logits[:, None], batch, first[:, None], num_logprobs) if num_logprobs else None
         return VerifyResult(first[:, None], torch.ones_like(first), lp)
@@ -157,9 +186,28 @@ class Verifier:
         draft_probs [B, k, W]: the drafter's q as it comes (draft_sample_packed), expanded here.
         The target slot keeps the last token plus the accepted drafts; the rest is rolled back.
         """
-        k = draft_ids.shape[1]
         ids = torch.cat([last_tokens[:, None], draft_ids], 1)            # [B, k+1]
         logits = self.runner.step(slots, ids)                            # [B, k+1, V]
+        return self._accept_rows(logits, slots, draft_ids, num_drafts, batch, positions, draft_probs, num_logprobs)
+
+    @torch.inference_mode()
+    def verify_with_chunks(self, slots: torch.Tensor, last_tokens: torch.Tensor, draft_ids: torch.Tensor,
+                           num_drafts: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor,
+                           draft_probs: torch.Tensor | None, num_logprobs: int,
+                           chunks: "PromptChunks") -> tuple[VerifyResult, VerifyResult]:
+        """`verify` with prompt chunks riding in its target pass (one launch: ModelRunner.step_with_chunks)
+        -> (the verify's result, as `verify`; each chunk's first token, as `prefill`)."""
+        ids = torch.cat([last_tokens[:, None], draft_ids], 1)            # [B, k+1]
+        logits, chunk_logits = self.runner.step_with_chunks(slots, ids, chunks.slots, chunks.starts,
+                                                            chunks.tokens)   # [B, k+1, V], [C, V]
+        first = self._first_tokens(chunk_logits, chunks.batch, num_logprobs)
+        verified = self._accept_rows(logits, slots, draft_ids, num_drafts, batch, positions, draft_probs,
+                                     num_logprobs)
+        return verified, first
+
+    def _accept_rows(self, logits, slots, draft_ids, num_drafts, batch, positions, draft_probs,
+                     num_logprobs) -> VerifyResult:
+        k = draft_ids.shape[1]
         if draft_probs is not None:
             draft_probs = unpack_draft_probs(draft_probs, logits.shape[-1])   # [B, k, V]
         tokens, num_emitted = self.accept(logits, draft_ids, num_drafts, batch, positions, draft_probs)

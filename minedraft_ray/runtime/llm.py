@@ -80,8 +80,9 @@ class ManagerActor:
     async def abort(self, request_id: str) -> None:
         await self.manager.abort(request_id)
 
-    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
-        await self.manager.reconfigure(k, prefill_chunk_tokens)
+    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
+                          fused_prefill: bool | None = None) -> None:
+        await self.manager.reconfigure(k, prefill_chunk_tokens, fused_prefill)
 
     def info(self) -> dict:
         return self.manager.info()
@@ -163,14 +164,17 @@ class LLM:
     def abort(self, request_id: str) -> None:
         ray.get(self.manager.abort.remote(request_id))
 
-    def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
-        """Benchmarks: a new k or per-step prefill budget (0: unchunked) on an idle engine, same actors and
-        graphs."""
-        ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens))
+    def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
+                    fused_prefill: bool | None = None) -> None:
+        """Benchmarks: a new k, per-step prefill budget (0: unchunked) or fusion of chunks into verify launches
+        on an idle engine, same actors and graphs."""
+        ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens, fused_prefill))
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
         if prefill_chunk_tokens is not None:
             self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
+        if fused_prefill is not None:
+            self.config = self.config.model_copy(update={"fused_prefill": fused_prefill})
 
     def info(self) -> dict:
         return ray.get(self.manager.info.remote())

@@ -17,6 +17,7 @@ The manager is a plain asyncio object so it can live in a Serve replica or in an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import statistics
@@ -41,7 +42,7 @@ from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import DraftRound, KVEdits, PrefillRow, SamplingRow, SlotResume, WorkerSet
+from .workers import DraftRound, KVEdits, PrefillRow, SamplingRow, SlotResume, VerifierResult, WorkerSet
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -69,6 +70,7 @@ class InFlight:
     drafts: list = field(default_factory=list)          # the rounds it names (refs or channel keys)
     draft_timings: list = field(default_factory=list)   # their device-time results
     tables: KVEdits | None = None    # its block-table changes (sent again if it is resubmitted)
+    chunks: list | None = None       # a fused verify's prompt chunks (PrefillRow), sent again with it
 
 
 def workers_on_gpu(config: EngineConfig) -> bool:
@@ -108,10 +110,15 @@ def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig
     return config
 
 
+def fuses_prefill(config: EngineConfig) -> bool:
+    """Chunks ride inside verify launches: asked for, and packed (a fused launch is a packed one)."""
+    return config.fused_prefill and config.packed_prefill
+
+
 def default_prefill_chunk(on_gpu: bool) -> int:
     """prefill_chunk_tokens' default: the same chunked path everywhere, the device picks the budget. On a GPU a
-    chunk of 512 prompt tokens is a few times a decode step's rows, enough for the GEMMs to run near full rate,
-    and graphed (the packed runner's buckets end at 1024). A CPU computes a chunk at its token count's cost, so
+    chunk of 512 prompt tokens (fused: a launch of 512 tokens, the verify's rows included) is a few times a decode
+    step's rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024). A CPU computes a chunk at its token count's cost, so
     half that keeps a running request's extra wait at a few verify steps (docs/design.md)."""
     return 512 if on_gpu else 256
 
@@ -134,7 +141,8 @@ class BatchManager:
         self.sched = Scheduler(SchedulerConfig(config.mode, config.max_batch, config.max_running, self.num_slots,
                                                config.psd_min_requests, config.psd_low_load,
                                                config.psd_high_load, config.prefill_chunk_tokens or None,
-                                               k=config.k, prefix_caching=config.prefix_caching))
+                                               fuse_prefill=fuses_prefill(config), k=config.k,
+                                               prefix_caching=config.prefix_caching))
         self.sched.drafter_alive = False   # until the drafter is up (start)
         self.channel = make_channel(config.transport)
         self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group,
@@ -152,8 +160,9 @@ class BatchManager:
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
                          "queued_behind": 0, "drafter_prefills": 0,
-                         # prefill tasks sent to the verifier (with chunking, one per chunk step)
-                         "prefill_tasks": 0,
+                         # prefills sent to the verifier (with chunking, one per chunk step), and of those the
+                         # ones fused into a verify's launch
+                         "prefill_tasks": 0, "fused_prefills": 0,
                          # verifies whose round failed (its drafter died) and ran without drafts
                          "draft_rounds_failed": 0}
         self.regime_steps = {"low": RegimeSteps(), "high": RegimeSteps()}   # what ran, per load (info)
@@ -289,10 +298,8 @@ class BatchManager:
                   bounded: bool) -> RequestState:
         if self.dead:
             raise EngineDeadError(self.dead)
-        waiting = len(self.sched.waiting)
-        capacity = self.config.max_queued + max(self.config.max_running - self.sched.num_running(), 0)
-        if bounded and waiting >= capacity:
-            raise EngineOverloadedError(f"the engine queue is full ({waiting} waiting)")
+        if bounded and self.sched.queue_full(self.config.max_queued):
+            raise EngineOverloadedError(f"the engine queue is full ({len(self.sched.waiting)} waiting)")
         state = RequestState(self.make_request(prompt_ids, params, request_id))
         self.requests[state.id] = state
         self.streams[state.id] = sink
@@ -339,15 +346,20 @@ class BatchManager:
                 self.streams[r.id].put_nowait(StepOutput(r.id, toks, lp))
         self.metrics.on_tokens(emitted)
 
-    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None) -> None:
-        """Benchmarks and tests: change k or the per-step prefill budget (0: unchunked) between workloads,
-        keeping the actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
+    async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
+                          fused_prefill: bool | None = None) -> None:
+        """Benchmarks and tests: change k, the per-step prefill budget (0: unchunked) or whether chunks ride
+        inside verify launches between workloads, keeping the actors, models and CUDA graphs. Only while idle:
+        drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
         if prefill_chunk_tokens is not None:
             self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
             EngineConfig.model_validate(self.config.model_dump())
             self.sched.config.prefill_budget = prefill_chunk_tokens or None
+        if fused_prefill is not None:
+            self.config = self.config.model_copy(update={"fused_prefill": fused_prefill})
+            self.sched.config.fuse_prefill = fuses_prefill(self.config)
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
             EngineConfig.model_validate(self.config.model_dump())
@@ -360,6 +372,7 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+                "fused_prefill": s.config.fuse_prefill,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
@@ -481,12 +494,23 @@ class BatchManager:
         verify: VerifyPlan = task.plan
         if task.kind == "step":
             t_draft = result.draft_ms
+        # this verify's riders had their first tokens from the prefills before it; a fused one's ride a later verify
+        joined, self._joined = self._joined, 0
+        if verify.prefill is not None:   # its chunks' rows follow the verify's in the result
+            self._prefills_done += 1
+            rows = len(verify.rows)
+            self._commit_prefill(verify.prefill, VerifierResult(
+                result.tokens[rows:], result.logprobs[rows:] if result.logprobs is not None else None, 0.0))
+            result = dataclasses.replace(result, tokens=result.tokens[:rows],
+                                         logprobs=result.logprobs[:rows] if result.logprobs is not None else None)
         k = self.k
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
         record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
-                            batch=verify.batch, joined=self._joined)
-        self._prefill_ms, self._joined = 0.0, 0
+                            batch=verify.batch, joined=joined)
+        self._prefill_ms = 0.0
+        if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
+            record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
         record.emitted = sum(len(t) for t in result.tokens)
         record.draft_tokens = sum(num_drafts)
         record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
@@ -520,7 +544,10 @@ class BatchManager:
         task.ref = self.channel.without_drafts(
             self.verifier, task.drafts, task.ref,
             lambda: self.verifier.verify.remote(verify.seq, [s.slot for s in verify.rows], None,
-                                                self._num_logprobs(verify.rows), None, tables=task.tables))
+                                                self._num_logprobs(self._step_requests(verify)), None,
+                                                tables=task.tables, chunks=task.chunks))
+        if verify.prefill is not None:   # what later rounds take its chunks' first tokens from
+            verify.prefill.handle = task.ref
         self.sched.verify_failed_drafts(verify)
         self.counters["draft_rounds_failed"] += 1
 
@@ -584,6 +611,11 @@ class BatchManager:
     def _num_logprobs(states: list[RequestState]) -> int:
         return max(s.request.params.logprobs or 0 for s in states)
 
+    @staticmethod
+    def _step_requests(verify: VerifyPlan) -> list[RequestState]:
+        """Every request a verify's launch holds: its rows, and a fused prefill's."""
+        return verify.rows + (verify.prefill.requests if verify.prefill is not None else [])
+
     # ---- plans -> actor calls ------------------------------------------------------------------
     def _schedule(self, committed: int | None) -> None:
         plan = self.sched.schedule(committed)
@@ -616,11 +648,16 @@ class BatchManager:
         return PrefillRow(c.state.slot, c.start, c.tokens, SamplingRow.of(r), resume)
 
     def _submit_prefill(self, prefill: PrefillPlan) -> None:
-        rows = [self._prefill_row(c) for c in prefill.chunks]
+        rows = self._submit_chunks(prefill)
         tables = self._verifier_tables()
         prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests),
                                                       tables)
         self.inflight.append(InFlight(prefill, "prefill", prefill.handle, tables=tables))
+
+    def _submit_chunks(self, prefill: PrefillPlan) -> list[PrefillRow]:
+        """A prefill's rows for the verifier (its own task, or a verify's it rides in); the drafter's chunks are
+        sent now, ahead of any round that reads them."""
+        rows = [self._prefill_row(c) for c in prefill.chunks]
         self.counters["prefill_tasks"] += 1
         to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
         if to_drafter and self.drafter is not None:
@@ -629,16 +666,20 @@ class BatchManager:
             self.counters["drafter_prefills"] += 1
             asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
                                                                             self.sched.drafter_generation))
+        return rows
 
     def _submit_verify(self, verify: VerifyPlan) -> None:
         task = InFlight(verify, "verify")
-        slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(verify.rows)
+        slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
+        if verify.prefill is not None:   # fused: its chunks ride in the verify's launch
+            task.chunks = self._submit_chunks(verify.prefill)
+            self.counters["fused_prefills"] += 1
         if verify.next_round is not None or (verify.regime in ("psd", "seq") and self.sched.drafter_alive):
             task.tokens_to = self.channel.tokens_to(verify.seq, len(verify.rows), self.k)
         if verify.regime == "sd":
             task.kind = "step"
             task.tables = self._verifier_tables()
-            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp, task.tables)
+            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp, task.tables, chunks=task.chunks)
         else:
             for round_ in (verify.ahead, verify.fresh):
                 if round_ is None:
@@ -649,7 +690,10 @@ class BatchManager:
                 task.draft_timings.append(round_.timing)
             task.tables = self._verifier_tables()
             task.ref = self.verifier.verify.remote(verify.seq, slots, verify.draft_index if verify.drafted else None,
-                                                   nlp, task.tokens_to, *task.drafts, tables=task.tables)
+                                                   nlp, task.tokens_to, *task.drafts, tables=task.tables,
+                                                   chunks=task.chunks)
+        if verify.prefill is not None:   # rounds take its first tokens from the verify's result
+            verify.prefill.handle = task.ref
         self.counters["queued_behind"] += self.sched.queued[verify.batch] > 1
         self.inflight.append(task)
         if verify.next_round is not None:

@@ -24,6 +24,13 @@ stall, and chunks are planned back to back until one completes a prompt. A reque
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
 by the time the verify runs), and its first token comes from that last chunk.
 
+Fused prefill (`fuse_prefill`): while anything decodes, the step's chunk rides inside the first verify this
+call plans, in the same task and the same launch (`VerifyPlan.prefill`, under the prefill's task number), so a
+running request waits for one launch, not two. The budget then bounds the whole launch: the verify's tokens
+(k + 1 per row, 1 in ar) plus the chunk's. A request whose last chunk rides a verify is not one of its rows (its
+first token is sampled in that launch); it rides the next one. Where the verify alone fills the budget, the chunk
+is its own task, as without fusion, so that prompts still progress.
+
 KV blocks: the scheduler hands out both models' KV blocks (one `PlannedBlocks` pool per model, in this process) and
 the workers only apply its table changes, sent with their next task (`take_edits`): a worker runs its tasks in
 submission order, so a block freed here and given to another request is written by the new owner only after
@@ -163,10 +170,12 @@ class PromptChunk:
 class PrefillPlan:
     """One prefill task: prompt chunks (at most the step's token budget in all) into their requests' verifier
     slots, a first token for each chunk that ends its prompt, and the same chunks on the drafter where it
-    holds the ones before."""
+    holds the ones before. Fused, it runs inside a verify's task (`VerifyPlan.prefill`), its result rows after
+    the verify's (`first_row`)."""
     seq: int
     chunks: list[PromptChunk]
     handle: object = None            # the manager's reference to the result (a draft round may take it)
+    first_row: int = 0               # its chunks' first row in that result
 
     @property
     def requests(self) -> list[RequestState]:
@@ -218,6 +227,7 @@ class VerifyPlan:
     low_load: bool = True
     high_load: str | None = None
     draft_generation: int = 0
+    prefill: PrefillPlan | None = None    # prompt chunks riding in its launch (fused), under the same seq
 
     @property
     def drafted(self) -> int:
@@ -234,6 +244,7 @@ class SchedulerConfig:
     psd_low_load: str = "seq"         # auto | psd | seq
     psd_high_load: str = "auto"
     prefill_budget: int | None = None  # prompt tokens prefilled per verifier step; None: whole prompts (unchunked)
+    fuse_prefill: bool = False         # a budgeted chunk rides inside the step's verify launch (bounding it all)
     k: int = 4                         # draft tokens per verify (what a step writes past a request's length)
     prefix_caching: bool = False
 
@@ -271,8 +282,10 @@ class Scheduler:
         self.reset_choosers()
         self.saturated = False
         self.one_batch = False
+        # prefix_cache_*: vLLM's prefix-cache stats (prompt tokens looked up and found, at a request's first
+        # admission only: a resumed request finds its own blocks, which says nothing of shared prefixes)
         self.counters = {"moves": 0, "balance_violations": 0, "drafts_ahead_used": 0, "draft_rows_unused": 0,
-                         "preemptions": 0}
+                         "preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         # KV blocks per model, once the workers have sized their pools (attach_kv)
         self.kv: dict[KVRole, PlannedBlocks] = {}
         self.max_len = 0                    # tokens a request may hold (prompt + output)
@@ -389,6 +402,19 @@ class Scheduler:
 
     def demand(self) -> int:
         return self.num_running() + len(self.waiting)
+
+    def queue_full(self, max_queued: int) -> bool:
+        """Whether a new arrival is refused: max_queued new arrivals may wait beyond the room left in max_running.
+        A preempted request was admitted: it keeps its place in max_running while it waits to resume, in front
+        of every new arrival, so preemptions take no queue room from arrivals, and it is never refused (it does
+        not arrive again)."""
+        resuming = 0
+        for s in self.waiting:   # the preempted wait in front (`schedule` puts them back there)
+            if not s.request.stats.preemptions:
+                break
+            resuming += 1
+        arrivals = len(self.waiting) - resuming
+        return arrivals >= max_queued + max(self.config.max_running - self.num_running() - resuming, 0)
 
     def release(self, state: RequestState) -> None:
         """Free a finished request's slot and KV blocks once no task in flight still writes to them."""
@@ -556,6 +582,9 @@ class Scheduler:
         s.blocks_cover = -1
         s.cached_tokens = r.num_cached_tokens = hit * self.kv[KVRole.TARGET].block_size
         s.prompt_planned = s.prefilled = s.cached_tokens
+        if self.config.prefix_caching and not r.stats.preemptions:
+            self.counters["prefix_cache_queries"] += len(r.prompt_ids)
+            self.counters["prefix_cache_hits"] += s.cached_tokens
         # the drafter holds the cached prefix (and catches up from there on its first round, or takes the chunks)
         with_drafter = KVRole.DRAFT in self.kv
         r.draft_valid = s.cached_tokens if with_drafter else 0
@@ -598,7 +627,7 @@ class Scheduler:
         if s in self.unprefilled:
             self.unprefilled.remove(s)
         s.status = Status.WAITING
-        s.request.num_preemptions += 1
+        s.request.stats.preemptions += 1
         self.counters["preemptions"] += 1
 
     def _place(self, new: list[RequestState], committed: int | None) -> None:
@@ -657,46 +686,80 @@ class Scheduler:
         self.unprefilled.extend(new)
         self._place(new, committed)
         self._rebalance()
-        self._plan_prefills(committed, plan)
-        for b in ([committed, 1 - committed] if committed is not None else [0, 1]):
+        order = [committed, 1 - committed] if committed is not None else [0, 1]
+        carry = self._plan_prefills(committed, plan, order)
+        for b in order:
             admitted = len(new) if b == committed or committed is None else 0
             while self.queued[b] < self.depth and self.batches[b]:
-                verify = self._plan_verify(b, admitted, plan)
+                verify = self._plan_verify(b, admitted, plan, carry)
                 if verify is None:
                     break
+                if verify.prefill is not None:   # the chunk rides in this verify's task
+                    plan.prefills.remove(carry)
+                carry = None   # only the first verify may carry it: a later one is numbered after it
                 plan.verifies.append(verify)
                 admitted = 0
             if not self.batches[b]:
                 self._drop_ahead(b, plan)   # no verify will name its round: its members all left the batch
         return plan
 
-    def _plan_prefills(self, committed: int | None, plan: SchedulePlan) -> None:
+    def _plan_prefills(self, committed: int | None, plan: SchedulePlan, order: list[int]) -> PrefillPlan | None:
         """The prefill task(s) in front of this call's verifies: one within the budget while anything decodes;
         back to back while nothing does (nothing to stall), until one completes a prompt, whose verify then
-        carries the next chunk along."""
+        carries the next chunk along. -> the one that may ride in the first verify's launch (fuse_prefill), sized
+        to what that verify leaves of the budget; None when none may."""
         # decoding: a verify in flight, or a started request that will ride one (this call's, or its next)
         decoding = any(self.queued) or any(s.ready and not s.done for batch in self.batches for s in batch)
+        fusing = decoding and self.config.fuse_prefill and self.config.prefill_budget is not None
         while self.unprefilled:
-            prefill = self._plan_prefill(committed)
+            # the rows the first verify may carry: only requests started before this call (a chunk that completes
+            # a prompt makes its request a rider of the next verify, not of the one the chunk rides)
+            verify_tokens = self._expected_verify_tokens(order) if fusing else 0
+            prefill = self._plan_prefill(committed, verify_tokens)
             if prefill is None:
-                return
+                return None
             plan.prefills.append(prefill)
             if decoding or any(c.last for c in prefill.chunks):
-                return
+                fits = 0 < verify_tokens and verify_tokens + prefill.num_tokens <= self.launch_budget()
+                return prefill if fits else None
+        return None
 
-    def _plan_prefill(self, committed: int | None) -> PrefillPlan | None:
+    def launch_budget(self) -> int | None:
+        """Tokens one verifier step may prefill (fused: its whole launch); None: unbounded (whole prompts)."""
+        if not self.config.prefill_budget:
+            return None
+        if self.mode == "psd" and not self.one_batch and all(self.batches):
+            # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
+            # each keeps a request's gap within one chunk's time
+            return max(1, self.config.prefill_budget // 2)
+        return self.config.prefill_budget
+
+    def verify_width(self, regime: str) -> int:
+        """Tokens a verify of `regime` runs per row: the last token and k drafts (ar: the last token)."""
+        return 1 if regime == "ar" else self.config.k + 1
+
+    def _expected_verify_tokens(self, order: list[int]) -> int:
+        """The tokens of the first verify this call will plan, at most (blocks may leave a rider out)."""
+        for b in order:
+            if self.queued[b] < self.depth and self.batches[b]:
+                rows = sum(s.ready and (self.depth > 1 or s.inflight == s.prefill_tasks)
+                           and id(s) not in self._waiting_for_blocks for s in self.batches[b])
+                if rows:
+                    return rows * self.verify_width(self.regime(b))
+        return 0
+
+    def _plan_prefill(self, committed: int | None, verify_tokens: int = 0) -> PrefillPlan | None:
         """Chunks of the prompts not yet planned, in admission order (in psd, members of the batch just
-        committed first, so a chunk rides with its own batch's verify), at most `prefill_budget` tokens."""
+        committed first, so a chunk rides with its own batch's verify), at most `prefill_budget` tokens, less
+        `verify_tokens` (those of the verify it may ride) where that leaves any."""
         pending = [s for s in self.unprefilled if not s.done]
         self.unprefilled = deque(pending)
         if committed is not None and self.mode == "psd":
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
-        room = self.config.prefill_budget or sum(s.prefill_len - s.prompt_planned for s in pending)
-        if self.config.prefill_budget and self.mode == "psd" and not self.one_batch and all(self.batches):
-            # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
-            # each keeps a request's gap within one chunk's time
-            room = max(1, room // 2)
+        room = self.launch_budget() or sum(s.prefill_len - s.prompt_planned for s in pending)
+        if room > verify_tokens:
+            room -= verify_tokens
         chunks = []
         for s in pending:
             if room == 0:
@@ -736,8 +799,10 @@ class Scheduler:
             self.counters["draft_rows_unused"] += len(ahead.rows)
             plan.dropped.append(ahead)
 
-    def _plan_verify(self, b: int, admitted: int, plan: SchedulePlan) -> VerifyPlan | None:
-        """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride."""
+    def _plan_verify(self, b: int, admitted: int, plan: SchedulePlan, carry: PrefillPlan | None = None
+                     ) -> VerifyPlan | None:
+        """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride.
+        carry: a prefill planned in this call that may ride in its launch (fused) where the budget holds both."""
         # only requests whose whole prompt is planned ride (their chunks run before this verify)
         if self.depth > 1:   # everything the step needs is in the verifier's slot state
             rows = [s for s in self.batches[b] if s.ready]
@@ -746,17 +811,29 @@ class Scheduler:
         # and when it has the blocks the verify writes (mostly `_grow` or its admission gave them; a second verify
         # queued in sd and ar takes more, as does a restarted drafter's pool); without them it rides a later one
         rows = [s for s in rows if id(s) not in self._waiting_for_blocks and self._reserve(s)]
+        regime = self.regime(b)
+        fused = None
+        if carry is not None:
+            # fused, the chunk that completes a prompt runs in the verify's launch: its request rides the next one
+            riders = [s for s in rows if s.prefill is not carry]
+            if riders and len(riders) * self.verify_width(regime) + carry.num_tokens <= self.launch_budget():
+                rows, fused = riders, carry
         if not rows:
             return None   # every member is still in flight in the other batch (moved): next commit
-        regime = self.regime(b)
         ahead = self.draft_ahead[b]
         if ahead is not None and (regime == "ar" or ahead.generation != self.drafter_generation):
             self._drop_ahead(b, plan)   # for a drafter that died since, or no longer wanted
             ahead = None
         self.draft_ahead[b] = None
-        verify = VerifyPlan(self.next_seq(), b, regime, rows, [-1] * len(rows), admitted=admitted,
-                            low_load=not self.high_load(), high_load=self.high_load_choice(),
-                            draft_generation=self.drafter_generation)
+        # fused: one task, under the prefill's number (the next one: nothing was numbered after it)
+        verify = VerifyPlan(fused.seq if fused is not None else self.next_seq(), b, regime, rows, [-1] * len(rows),
+                            admitted=admitted, low_load=not self.high_load(), high_load=self.high_load_choice(),
+                            draft_generation=self.drafter_generation, prefill=fused)
+        if fused is not None:
+            fused.first_row = len(rows)
+            for c in fused.chunks:
+                if c.last:
+                    c.state.prefill_row += len(rows)
         if regime == "sd":
             verify.draft_index = list(range(len(rows)))
         elif regime != "ar":

@@ -27,7 +27,7 @@ from ..engine.presets import resolve_model
 from ..engine.rejection import draft_probs_width
 from ..engine.runner import PREFILL_TOKEN_BUDGET, ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
-from ..engine.spec import Drafter, DraftRow, Verifier, VerifyResult
+from ..engine.spec import Drafter, DraftRow, PromptChunks, Verifier, VerifyResult
 from .link import PeerLink
 from .rendezvous import GcsStore, Rendezvous, fresh_prefix
 
@@ -261,15 +261,23 @@ class _Worker:
         """The collective channel's link, if it is the one of that drafter generation."""
         return self.link if self.link is not None and self.link.generation == generation else None
 
-    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int) -> ModelRunner:
+    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int, fused_rows: int = 0) -> ModelRunner:
         """`model` on this device with a pool of `num_blocks` KV blocks (handed out by the scheduler); on CUDA its
-        graphs for every batch bucket and step width are captured now, so the first requests do not pay for
-        captures (and the compiles inside them)."""
+        graphs for every batch bucket and step width are captured now (and those of fused steps of up to
+        `fused_rows` row tokens), so the first requests do not pay for captures (and the compiles inside them)."""
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                              self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill,
                              block_size=self.config.block_size, num_blocks=num_blocks)
-        runner.capture_all(step_widths)
+        runner.capture_all(step_widths, fused_rows)
         return runner
+
+    def _fused_rows(self) -> int:
+        """The most row tokens a fused step of the target holds: every running request's verify, within the
+        budget (fused launches never exceed it); 0 when chunks do not ride verifies."""
+        cfg = self.config
+        if not (cfg.fused_prefill and cfg.packed_prefill and cfg.prefill_chunk_tokens):
+            return 0
+        return min(cfg.max_running * (cfg.k + 1), cfg.prefill_chunk_tokens)
 
     def _load_target(self, group: Rendezvous | None, rank: int):
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
@@ -283,7 +291,7 @@ class _Worker:
         """The target's runner (`_runner`), sharded at tp > 1: rank 0's calls drive every rank (its graph captures
         too); the others follow (TargetRank)."""
         if self.config.tp == 1:
-            return self._runner(model, step_widths, num_blocks)
+            return self._runner(model, step_widths, num_blocks, self._fused_rows())
         runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                                tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit,
                                block_size=self.config.block_size, num_blocks=num_blocks)
@@ -492,7 +500,7 @@ class VerifierWorker(_Worker):
         if link is None:
             return
         out = torch.full((to.rows, to.width), -1, dtype=torch.int64)
-        out[:, :tokens.shape[1]] = tokens
+        out[:, :tokens.shape[1]] = tokens[:to.rows]   # a fused step's chunk rows follow: not the round's
         try:
             link.send(out, to.seq)
         except Exception as e:  # noqa: BLE001 - the drafter's death is the manager's to handle
@@ -523,9 +531,20 @@ class VerifierWorker(_Worker):
         return self._run(seq, launch)
 
     def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
+        self._prefill_beside(rows)
         slots, starts = [r.slot for r in rows], [r.start for r in rows]
         batch = sampling_batch([r.sampling or GREEDY_ROW for r in rows], self.device)
         result = self.verifier.prefill(slots, [r.tokens for r in rows], batch, num_logprobs, starts)
+        self._start_slots(rows, batch, result)
+        return result
+
+    def _prefill_beside(self, rows: list[PrefillRow]) -> None:
+        """The same chunks into the models beside the target (SpecWorker: the drafter)."""
+
+    def _start_slots(self, rows: list[PrefillRow], batch: SamplingBatch, result: VerifyResult) -> None:
+        """Prefill rows ran (result: a first token per row): requests whose prompt ended start their slot state,
+        resumed ones take theirs from their tokens."""
+        slots = [r.slot for r in rows]
         ends = [i for i, r in enumerate(rows) if r.starts_request]
         if len(ends) == len(rows):
             self.state.start(slots, to_device(slots, self.device), batch, result.tokens[:, 0], rows)
@@ -538,36 +557,48 @@ class VerifierWorker(_Worker):
         resumed = [r for r in rows if r.resume is not None]
         if resumed:
             self.state.resume(resumed, sampling_batch([r.sampling for r in resumed], self.device))
-        return result
 
     def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
-               tokens_to: LinkTokens | None = None, *drafts, tables: KVEdits | None = None) -> VerifierResult:
+               tokens_to: LinkTokens | None = None, *drafts, tables: KVEdits | None = None,
+               chunks: list[PrefillRow] | None = None) -> VerifierResult:
         """One verify step for slots (their last tokens and positions are in the slot state).
 
         drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None} from
         the draft channel (or the key it comes under); draft_index[b] is row b's row in their concatenation,
         or -1 for a row without drafts (drafter down).
         tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
-        tables: its block-table changes."""
+        tables: its block-table changes.
+        chunks: prompt chunks (of other slots) that ride in the verify's launch, as a prefill task's rows; the
+        result's rows are the verify's, then theirs (as `prefill` returns them)."""
         def launch():
             self._map_blocks(tables)
             round_drafts = self._take_drafts(drafts)
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
                 draft_ids, num_drafts, draft_probs = self._gather_drafts(round_drafts, draft_index, len(slots))
-                staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs).staged()
+                staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs,
+                                      chunks).staged()
             return staged, timer
         return self._run(seq, launch, tokens_to)
 
     def _verify(self, slots: list[int], slot_t: torch.Tensor, draft_ids, num_drafts, draft_probs,
-                num_logprobs: int) -> VerifyResult:
+                num_logprobs: int, chunks: list[PrefillRow] | None = None) -> VerifyResult:
         # slot_t: slots [B] on the device; draft_ids [B, k], num_drafts [B], draft_probs [B, k, W] packed | None
         last_t, pos_t = self.state.last_token[slot_t], self.state.position[slot_t]
         batch = self.state.sampling.select(slots, slot_t)
-        result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
-                                      num_logprobs)
+        if not chunks:
+            result = self.verifier.verify(slot_t, last_t, draft_ids, num_drafts, batch, pos_t, draft_probs,
+                                          num_logprobs)
+            self.state.advance(slot_t, result.tokens, result.num_emitted)
+            return result
+        self._prefill_beside(chunks)
+        prompt = PromptChunks([r.slot for r in chunks], [r.start for r in chunks], [r.tokens for r in chunks],
+                              sampling_batch([r.sampling or GREEDY_ROW for r in chunks], self.device))
+        result, first = self.verifier.verify_with_chunks(slot_t, last_t, draft_ids, num_drafts, batch, pos_t,
+                                                         draft_probs, num_logprobs, prompt)
         self.state.advance(slot_t, result.tokens, result.num_emitted)
-        return result
+        self._start_slots(chunks, prompt.batch, first)
+        return result.then(first)
 
     def _gather_drafts(self, drafts, draft_index, batch):
         if drafts is None or draft_index is None or all(i < 0 for i in draft_index):
@@ -712,13 +743,14 @@ class SpecWorker(VerifierWorker):
         if tables is not None and tables.draft is not None:
             self.drafter.runner.map_blocks(tables.draft)
 
-    def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
+    def _prefill_beside(self, rows: list[PrefillRow]) -> None:
+        # the drafter's own launch: it is small beside the target
         self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
-        return super()._prefill(rows, num_logprobs)
 
     def step(self, seq: int, slots: list[int], k: int, num_logprobs: int,
-             tables: KVEdits | None = None) -> VerifierResult:
-        """Draft k tokens for every slot from the slot state, then verify them."""
+             tables: KVEdits | None = None, chunks: list[PrefillRow] | None = None) -> VerifierResult:
+        """Draft k tokens for every slot from the slot state, then verify them (chunks: prompt chunks riding in
+        the target's launch, as in `verify`)."""
         state, timers = self.state, {}
 
         def launch():
@@ -730,7 +762,7 @@ class SpecWorker(VerifierWorker):
                                                         state.sampling.seed[slot_t], state.position[slot_t])
             with StepTimer(self.device) as timer:
                 num_drafts = torch.full((len(slots),), ids.shape[1], dtype=torch.int64, device=self.device)
-                staged = self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs).staged()
+                staged = self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs, chunks).staged()
             return staged, timer
         result = self._run(seq, launch)
         return dataclasses.replace(result, draft_ms=timers["draft"].ms)

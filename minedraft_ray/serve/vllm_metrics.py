@@ -15,7 +15,14 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
   request whose client went away before it finished is not counted here);
 - running and waiting requests, KV-cache usage (the target's KV blocks held by requests / its blocks, as
   vLLM's: cached blocks nobody holds count as free): the engine's own state (BatchManager.info), read at each
-  scrape.
+  scrape;
+- prefix-cache queries and hits (prompt tokens looked up / found cached, at a request's first admission, as
+  vLLM counts them: a resumed request's lookups are not counted; the hits are the cached prompt tokens too)
+  and preemptions: the engine's totals
+  (BatchManager.info), read at each scrape. A scrape reads one engine replica (the one Serve routes it to), so
+  the totals are kept per replica and the counters are their sum; a replica's total that went down (its engine
+  restarted) counts on from 0;
+- preemptions per request (a histogram): from each request's final stats, as the spec-decode counters.
 
 The project's own series (`ray_minedraft_*`, docs/observability.md) stay where they are, on Ray's metrics
 export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored).
@@ -35,6 +42,7 @@ TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 
 INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                                20.0, 40.0, 80.0)
 LABELS = ("model_name", "engine")
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")   # vLLM's FinishReason strings
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -43,6 +51,11 @@ VLLM_SERIES = {
     "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
     "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
     "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
+    "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
+    "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
+    "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
+    "vllm:request_num_preemptions": ("histogram", "Histogram of the number of times a request was preempted."),
     "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
     "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
     "vllm:request_success": ("counter", "Count of successfully processed requests."),
@@ -80,6 +93,15 @@ class APIMetrics:
                         buckets=INTER_TOKEN_LATENCY_BUCKETS).labels(**labels)
         self.e2e = make(Histogram, "vllm:e2e_request_latency_seconds",
                         buckets=REQUEST_LATENCY_BUCKETS).labels(**labels)
+        self.request_preemptions = make(Histogram, "vllm:request_num_preemptions",
+                                        buckets=REQUEST_NUM_PREEMPTIONS_BUCKETS).labels(**labels)
+        # engine totals: BatchManager.info's counter -> the series it feeds, summed over the engine replicas seen
+        # (cached prompt tokens are the prefix cache's hits: there is no external KV here)
+        self.engine_totals = {"prefix_cache_queries": [make(Counter, "vllm:prefix_cache_queries").labels(**labels)],
+                              "prefix_cache_hits": [make(Counter, "vllm:prefix_cache_hits").labels(**labels),
+                                                    make(Counter, "vllm:prompt_tokens_cached").labels(**labels)],
+                              "preemptions": [make(Counter, "vllm:num_preemptions").labels(**labels)]}
+        self._totals_seen: dict[tuple[str | None, str], int] = {}   # (engine replica, info key) -> its last total
         self.spec_decode = spec_decode
         if spec_decode:   # vLLM declares these only with a speculative config
             self.num_drafts = make(Counter, "vllm:spec_decode_num_drafts").labels(**labels)
@@ -102,6 +124,12 @@ class APIMetrics:
         self.waiting.set(info["queued"])
         pool = (info.get("kv_cache") or {}).get("target")
         self.kv_cache_usage.set(pool["blocks_in_use"] / pool["blocks"] if pool and pool["blocks"] else 0.0)
+        for key, counters in self.engine_totals.items():
+            total = info.get(key, 0)
+            seen = self._totals_seen.get((info.get("replica"), key), 0)
+            for counter in counters:
+                counter.inc(total - seen if total >= seen else total)   # lower: a new engine, counting from 0
+            self._totals_seen[(info.get("replica"), key)] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -142,6 +170,8 @@ class RequestTimer:
         m = self.metrics
         m.e2e.observe(time.perf_counter() - self.arrival)
         m.request_success[finish_reason if finish_reason in m.request_success else "abort"].inc()
+        if stats:
+            m.request_preemptions.observe(stats.get("preemptions", 0))
         if stats and m.spec_decode:
             m.num_drafts.inc(stats.get("verify_steps", 0))
             m.num_draft_tokens.inc(stats.get("drafted", 0))

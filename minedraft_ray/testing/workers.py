@@ -136,10 +136,10 @@ class RecordingVerifier(Verifier):
         super().__init__(runner)
         self.rows: list[VerifyRow] = []
 
-    def verify(self, slots, last_tokens, draft_ids, num_drafts, batch, positions, draft_probs=None,
-               num_logprobs=0):
-        result = super().verify(slots, last_tokens, draft_ids, num_drafts, batch, positions, draft_probs,
-                                num_logprobs)
+    def _accept_rows(self, logits, slots, draft_ids, num_drafts, batch, positions, draft_probs, num_logprobs):
+        # every verify's rows, fused with prompt chunks or not
+        result = super()._accept_rows(logits, slots, draft_ids, num_drafts, batch, positions, draft_probs,
+                                      num_logprobs)
         emitted = result.num_emitted.tolist()
         for slot, pos, ids, nd, toks, n in zip(slots.tolist(), positions.tolist(), draft_ids.tolist(),
                                                 num_drafts.tolist(), result.tokens.tolist(), emitted):
