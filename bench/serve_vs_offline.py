@@ -18,6 +18,8 @@ HTTP capacity. Each engine is built twice: both hold the verifier's GPU, one dev
 Rows (merged into <out>/serve_vs_offline.parquet by configuration): `closed` has the tok/s of both paths and
 `http_over_offline`; TTFT and the chunk gap (time between consecutive streamed chunks of a request) are the HTTP
 path's; `online` rows the same percentiles at each load. `engine_step_ms` is the engine replica's median step.
+The chunk gap is attributed per hop: the ingress's gaps (vLLM's inter-token-latency histogram on its /metrics, read
+before and after each workload) and the engine's (its step records of the workload, read through a Serve handle).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 NAME = "serve_vs_offline"   # on a CPU: serve_vs_offline_cpu
@@ -42,13 +45,19 @@ CONFIG = ("label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "
 COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "offline_ttft_p50_ms", "offline_ttft_p99_ms", "offline_engine_step_ms",
-           "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "stream_interval_ms",
+           "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p50_ms", "chunk_gap_steady_p99_ms",
+           "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
+           "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
+           "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "chunks_per_request",
+           "engine_step_ms", "stream_interval_ms",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
            "git_sha", "command"]
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
-                 "offline_ttft_p99_ms", "chunk_gap_p50_ms",
-                 "chunk_gap_p99_ms", "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
+                 "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
+                 "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
+                 "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas",
+                 "ingress_cpus"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------
@@ -140,19 +149,160 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-def trace_stats(traces: list[Trace], start: float | None = None) -> dict:
-    """tok/s over the span from the first send (or `start`) to the last chunk; TTFT and chunk gaps in ms."""
+def weighted_percentile(pairs: list[tuple[float, float]], q: float) -> float | None:
+    """The q-th percentile of values given as (value, weight) pairs."""
+    pairs = sorted(p for p in pairs if p[1] > 0)
+    total = sum(w for _, w in pairs)
+    if not pairs:
+        return None
+    cumulative = 0.0
+    for value, weight in pairs:
+        cumulative += weight
+        if cumulative >= q / 100 * total:
+            return value
+    return pairs[-1][0]
+
+
+def burst_admitted(traces: list[Trace]) -> float | None:
+    """When the last request of a closed burst got its first chunk (wall clock): from then on every request is
+    admitted and streaming, the arrival transient is over."""
+    return max((t.chunks[0] for t in traces if t.error is None and t.chunks), default=None)
+
+
+def trace_stats(traces: list[Trace], start: float | None = None, steady_from: float | None = None) -> dict:
+    """tok/s over the span from the first send (or `start`) to the last chunk; TTFT and chunk gaps in ms; with
+    `steady_from` (wall clock) also the gaps that begin after it."""
     ok = [t for t in traces if t.error is None and t.chunks]
     ttft = [(t.chunks[0] - t.sent) * 1e3 for t in ok]
     gaps = [(b - a) * 1e3 for t in ok for a, b in zip(t.chunks, t.chunks[1:])]
+    steady = [] if steady_from is None else \
+        [(b - a) * 1e3 for t in ok for a, b in zip(t.chunks, t.chunks[1:]) if a >= steady_from]
     begin = start if start is not None else min((t.sent for t in traces), default=0.0)
     span = max((t.chunks[-1] for t in ok), default=begin) - begin
     tokens = sum(t.tokens for t in ok)
     return {"http_tokens_per_s": tokens / span if span > 0 else None, "completed": len(ok),
             "errors": len(traces) - len(ok), "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "chunk_gap_p50_ms": percentile(gaps, 50), "chunk_gap_p99_ms": percentile(gaps, 99),
+            "chunk_gap_steady_p50_ms": percentile(steady, 50), "chunk_gap_steady_p99_ms": percentile(steady, 99),
+            "burst_admitted_s": None if steady_from is None else steady_from - begin,
             "chunks_per_request": statistics.mean(len(t.chunks) for t in ok) if ok else None,
             "first_error": next((t.error for t in traces if t.error), None)}
+
+
+# ---- the hops: ingress (vLLM's histogram) and engine (its step records) --------------------------------
+ITL = "vllm:inter_token_latency_seconds"
+
+
+@dataclass
+class BucketCounts:
+    """One ingress replica's inter-token-latency histogram: cumulative counts by upper bound (s, the last +inf)."""
+    bounds: list[float]
+    counts: list[float]
+
+    def minus(self, other: "BucketCounts") -> "BucketCounts":
+        return BucketCounts(self.bounds, [a - b for a, b in zip(self.counts, other.counts)])
+
+    def plus(self, other: "BucketCounts") -> "BucketCounts":
+        return BucketCounts(self.bounds, [a + b for a, b in zip(self.counts, other.counts)])
+
+    def quantile(self, q: float) -> float | None:
+        """As Prometheus' histogram_quantile: linear within the bucket the rank falls in (the highest finite bound
+        when it falls past it): resolution is the bucket's width."""
+        total = self.counts[-1] if self.counts else 0
+        if total <= 0:
+            return None
+        rank = q * total
+        lower, below = 0.0, 0.0
+        for bound, count in zip(self.bounds, self.counts):
+            if count >= rank:
+                if bound == float("inf"):
+                    return lower
+                return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+            lower, below = bound, count
+        return lower
+
+
+def read_itl(text: str) -> tuple[float | None, BucketCounts | None]:
+    """(the histogram's creation time, which tells ingress replicas apart; its buckets) from a /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    created, buckets = None, []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{ITL}_created":
+                created = sample.value
+            elif sample.name == f"{ITL}_bucket":
+                buckets.append((float(sample.labels["le"]), sample.value))
+    buckets.sort()
+    return created, BucketCounts([b for b, _ in buckets], [c for _, c in buckets]) if buckets else None
+
+
+def scrape_ingress(url: str, replicas: int, tries_per_replica: int = 10) -> dict[float, BucketCounts] | None:
+    """Every ingress replica's ITL histogram, by its creation time: Serve's proxy routes each /metrics scrape to one
+    replica, so scrape until each was seen (None when one never was)."""
+    import urllib.request
+
+    seen: dict[float, BucketCounts] = {}
+    for _ in range(replicas * tries_per_replica):
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            created, hist = read_itl(r.read().decode())
+        if hist is None or (created is None and replicas > 1):   # no histogram, or no telling replicas apart
+            return None
+        seen[created] = hist
+        if len(seen) == replicas:
+            return seen
+    return None
+
+
+def ingress_gaps(before: dict | None, after: dict | None) -> dict:
+    """P50/P99 of the ingress's inter-token latencies observed between two scrapes, summed over its replicas."""
+    out = {"ingress_gap_p50_ms": None, "ingress_gap_p99_ms": None}
+    if not before or not after or before.keys() != after.keys():
+        return out
+    delta = None
+    for replica, hist in after.items():
+        part = hist.minus(before[replica])
+        delta = part if delta is None else delta.plus(part)
+    for q in (50, 99):
+        value = delta.quantile(q / 100)
+        out[f"ingress_gap_p{q}_ms"] = None if value is None else value * 1e3
+    return out
+
+
+def engine_gaps(records: list, steady_from: float | None = None) -> list[tuple[float, float]]:
+    """(ms, rows) per verify step: the time from the batch's previous token hand-out to this one (`t_emit`),
+    once for each request it streamed tokens to that was in the batch's previous step: each waited exactly that for
+    its next tokens. Requests given their first token by a prefill since (`joined`) are left out (their first gap
+    is not that), as are steps after idle (the batch was empty). `steady_from`: only steps after it (wall clock)."""
+    last: dict[int, object] = {}   # batch -> its previous record
+    out = []
+    for record in records:
+        prev, last[record.batch] = last.get(record.batch), record
+        if prev is None or prev.sizes[record.batch] == 0 or (steady_from is not None and prev.t_emit < steady_from):
+            continue
+        out.append(((record.t_emit - prev.t_emit) * 1e3, record.streamed - record.joined))
+    return out
+
+
+def engine_stats(records: list, steady_from: float | None = None) -> dict:
+    """The engine's steps of one workload: step time (the verifier's cycle, prefill chunks run in between
+    included) P50/P99, the share of steps with a prefill before them, and the row-weighted token hand-out gap."""
+    steps = [r.step_ms for r in records]
+    gaps, steady = engine_gaps(records), engine_gaps(records, steady_from) if steady_from is not None else []
+    return {"engine_steps": len(records), "engine_gaps": sum(n for _, n in gaps),
+            "engine_step_p50_ms": percentile(steps, 50),
+            "engine_step_p99_ms": percentile(steps, 99),
+            "prefill_step_share": sum(bool(r.t_prefill_ms > 0 or r.extra.get("fused_prefill_tokens"))
+                                      for r in records) / len(records) if records else None,
+            "engine_gap_p50_ms": weighted_percentile(gaps, 50), "engine_gap_p99_ms": weighted_percentile(gaps, 99),
+            "engine_gap_steady_p50_ms": weighted_percentile(steady, 50),
+            "engine_gap_steady_p99_ms": weighted_percentile(steady, 99)}
+
+
+def flush_stats(flushes: list) -> dict:
+    """How late the engine replica's interval flushes went out against their grid, once per request in each."""
+    late = [(f.late_ms, f.requests) for f in flushes]
+    return {"flush_late_p50_ms": weighted_percentile(late, 50), "flush_late_p99_ms": weighted_percentile(late, 99)}
 
 
 def poisson_offsets(rate: float, n: int, seed: int) -> list[float]:
@@ -245,7 +395,31 @@ def engine_step_ms(url: str) -> float | None:
         return json.loads(r.read()).get("recent_steps", {}).get("step_ms")
 
 
-def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -> list[dict]:
+class HopProbe:
+    """Reads the ingress's and the engine's side of one workload's gaps: the ingress replicas' ITL histograms and
+    the engine's step count before it, the histograms and the engine's step records after it."""
+
+    def __init__(self, url: str, settings: dict, ingress_replicas: int):
+        from ray import serve
+
+        from minedraft_ray.serve.app import EngineServer
+
+        self.url, self.ingress_replicas = url, ingress_replicas
+        self.engine = serve.get_deployment_handle(EngineServer.name, app_name(settings))
+
+    def before(self) -> None:
+        self.itl = scrape_ingress(self.url, self.ingress_replicas)
+        self.step = self.engine.info.remote().result()["steps"]
+        self.t0 = time.time()
+
+    def after(self, steady_from: float | None = None) -> dict:
+        records = self.engine.steps_since.remote(self.step).result()
+        flushes = self.engine.flushes_since.remote(self.t0).result()
+        return {**ingress_gaps(self.itl, scrape_ingress(self.url, self.ingress_replicas)),
+                **engine_stats(records, steady_from), **flush_stats(flushes)}
+
+
+def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, ingress_replicas: int) -> list[dict]:
     """Closed burst, then Poisson loads: a stats dict per workload (closed first)."""
     from ray import serve
 
@@ -254,9 +428,13 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
         timeout = args.read_timeout_s
         send(pool, args.client_procs, url, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4,
              timeout)
+        probe = HopProbe(url, settings, ingress_replicas)
+        probe.before()
         start, traces = send(pool, args.client_procs, url, model, prompts, [0.0] * len(prompts), args.max_tokens,
                              timeout)
-        closed = {"workload": "closed", "load": None, **trace_stats(traces, start), "engine_step_ms": engine_step_ms(url)}
+        admitted = burst_admitted(traces)
+        closed = {"workload": "closed", "load": None, **trace_stats(traces, start, admitted),
+                  **probe.after(admitted), "engine_step_ms": engine_step_ms(url)}
         results = [closed]
         capacity_rps = (closed["http_tokens_per_s"] or 0) / args.max_tokens
         for load in args.loads:
@@ -264,9 +442,10 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str) -
             n = max(args.client_procs, round(rate * args.online_s))
             offsets = poisson_offsets(rate, n, seed=round(load * 1000))
             online_prompts = [prompts[i % len(prompts)] for i in range(n)]
+            probe.before()
             _, traces = send(pool, args.client_procs, url, model, online_prompts, offsets, args.max_tokens, timeout)
             results.append({"workload": "online", "load": load, "rate_rps": rate, **trace_stats(traces),
-                            "engine_step_ms": engine_step_ms(url)})
+                            **probe.after(), "engine_step_ms": engine_step_ms(url)})
         return results
     finally:
         serve.delete(app_name(settings))
@@ -304,11 +483,38 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "request (chunks with text or the finish); `engine_step_ms`: the engine's median step (its last 200). "
              "offline_ttft: the offline engine's arrival -> first token of the same closed burst (its queueing for "
              "a slot included, as in the HTTP TTFT); offline_engine_step_ms: its median step (parquet only).",
+             "Chunk gap by hop (ms), engine -> ingress -> client. `engine_gap_*`: per verify step, the time from "
+             "its batch's previous token hand-out to the streams to this one's, once per request it streamed to "
+             "that was in that previous step (requests just given their first token by a prefill left out): exact, "
+             "the gap before the engine replica's coalescing (its outputs go to the mailbox on a "
+             "`stream_interval_ms` grid); in psd's split a prefill's riders are taken from the next verify of "
+             "either batch. "
+             "`ingress_gap_*`: vLLM's `vllm:inter_token_latency_seconds` of the ingress replicas (arrival of one "
+             "engine delivery with tokens of a request at the ingress -> the next; outputs of one request taken "
+             "from the mailbox at once count a ~0 gap each), the workload's observations summed over the replicas, "
+             "P50/P99 interpolated within vLLM's buckets (bounds 10, 25, 50, 75, 100, 150, 200, 300 ms, ...): "
+             "bucket resolution, not exact. `chunk_gap_*`: the client's (exact); its P50 near `stream_interval_ms` is "
+             "the coalescing, by design. `*_steady_*` (closed only): only "
+             "gaps that begin after the last request of the burst got its first chunk (`burst_admitted_s` after "
+             "the first send), without the arrival transient.",
+             "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
+             "step (end of the previous verify -> end of this one, prefill chunks run in between included), "
+             "`prefill_step_share` the share of steps with a prefill chunk in that cycle (a task of its own or fused "
+             "into the verify's launch), `engine_steps` their "
+             "count, `engine_gaps` the gaps `engine_gap_*` counts. `flush_late_*`: how late the engine replica's "
+             "interval flushes (its outputs to the mailbox) left against their `stream_interval_ms` grid, once per "
+             "request in each: time its event loop, which runs the step loop, was busy; it adds to the gaps "
+             "between the engine hop and the ingress one, the mailbox and the ingress's poll the rest (the loop's "
+             "clock: 1 ms resolution under uvloop).",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
              "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
              "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]
     return write_results(rows, out, name, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
                          notes, TABLE_COLUMNS)
+
+
+def fmt_ms(row: dict, key: str) -> str:
+    return "–" if row.get(key) is None else f"{row[key]:.1f}"
 
 
 def parse_ints(text: str) -> list[int]:
@@ -420,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"{mode} max_batch={max_batch}: offline LLM ...")
                 offline = run_offline(settings, prompts, args.max_tokens)
                 say(f"{mode} max_batch={max_batch}: offline {offline.tokens_per_s:.0f} tok/s; Serve HTTP ...")
-                results = run_http(args, pool, settings, prompts, config.served_model_name)
+                results = run_http(args, pool, settings, prompts, config.served_model_name, config.ingress_replicas)
                 context = {"label": args.label, "mode": mode, "k": None if mode == "ar" else args.k, "tp": args.tp,
                            "max_batch": max_batch,
                            "n_requests": n, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
@@ -438,11 +644,17 @@ def main(argv: list[str] | None = None) -> int:
                                    offline_engine_step_ms=offline.engine_step_ms)
                         row["http_over_offline"] = (row["http_tokens_per_s"] or 0) / offline.tokens_per_s
                     new.append(row)
+                    ms = partial(fmt_ms, row)
                     say(f"  {row['workload']} load={row['load']}: http {row['http_tokens_per_s'] or 0:.0f} tok/s"
                         + (f" ({row['http_over_offline']:.2f}x offline)" if row.get("http_over_offline") else "")
                         + f", ttft p50/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p99_ms'] or 0:.0f} ms, "
                         f"chunk gap p50/p99 {row['chunk_gap_p50_ms'] or 0:.1f}/{row['chunk_gap_p99_ms'] or 0:.1f} ms,"
-                        f" step {row['engine_step_ms'] or 0:.1f} ms, errors {row['errors']}"
+                        f" (steady p99 {ms('chunk_gap_steady_p99_ms')}; ingress p50/p99 {ms('ingress_gap_p50_ms')}/"
+                        f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/"
+                        f"{ms('engine_gap_p99_ms')}),"
+                        f" step p50/p99 {ms('engine_step_p50_ms')}/{ms('engine_step_p99_ms')} ms"
+                        f" ({row['prefill_step_share'] or 0:.0%} with prefill), flush late p50/p99"
+                        f" {ms('flush_late_p50_ms')}/{ms('flush_late_p99_ms')} ms, errors {row['errors']}"
                         + (f" ({row['first_error']})" if row.get("first_error") else ""))
                 rows = merge(rows, new)
                 write(out, rows, device, name)   # after every configuration: a run cut short keeps what it measured

@@ -94,6 +94,27 @@ def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
     asyncio.run(scenario())
 
 
+def test_flush_records_say_how_late_the_busy_loop_let_a_flush_go(ray_cluster):
+    async def scenario():
+        mailbox = start_mailbox()
+        batcher = OutputBatcher(mailbox, interval_s=0.05)
+        batcher.put("ingress", StepOutput("b", [2]))                   # an idle grid: at once
+        await asyncio.sleep(0.01)
+        for token in (3, 4):                                           # the next interval's
+            batcher.put("ingress", StepOutput("a", [token]))
+            batcher.put("ingress", StepOutput("b", [token]))
+        batcher.put("ingress", StepOutput("c", [1]), urgent=True)      # at once, alone: not an interval flush
+        time.sleep(0.2)   # the loop is held past the flush's grid time
+        await asyncio.sleep(0.01)
+        on_time, late = batcher.history
+        assert on_time.requests == 1 and on_time.late_ms < 100
+        assert late.requests == 2 and late.late_ms >= 150 and late.t > on_time.t
+        import ray
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
 def test_router_hands_outputs_to_their_requests_and_fails_them_when_the_mailbox_dies(ray_cluster):
     import ray
 

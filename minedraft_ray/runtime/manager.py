@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import statistics
 import time
@@ -154,6 +155,7 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
+        self._joined = 0                               # first tokens from prefills, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
                          # verifies submitted while one of the same batch was in flight; prompts sent to the drafter
@@ -400,6 +402,12 @@ class BatchManager:
             out["saturated"] = s.saturated
         return out
 
+    def steps_since(self, step: int) -> list[StepRecord]:
+        """The records of the steps after step number `step` (info's `steps`) still in the history, oldest first:
+        a benchmark's window of steps, read once after it (nothing is recorded for it)."""
+        count = min(self.sched.steps - step, len(self.history))
+        return list(itertools.islice(self.history, len(self.history) - count, None)) if count > 0 else []
+
     def recent_steps(self, n: int = 200) -> dict:
         """Medians over the last n steps (ms): where a step's wall time goes, for /v1/info and smoke runs."""
         steps = list(self.history)[-n:]
@@ -486,6 +494,8 @@ class BatchManager:
         verify: VerifyPlan = task.plan
         if task.kind == "step":
             t_draft = result.draft_ms
+        # this verify's riders had their first tokens from the prefills before it; a fused one's ride a later verify
+        joined, self._joined = self._joined, 0
         if verify.prefill is not None:   # its chunks' rows follow the verify's in the result
             self._prefills_done += 1
             rows = len(verify.rows)
@@ -496,7 +506,8 @@ class BatchManager:
         k = self.k
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
         record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
-                            t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted)
+                            t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
+                            batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
@@ -504,7 +515,8 @@ class BatchManager:
         record.draft_tokens = sum(num_drafts)
         record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
         self.sched.commit_verify(verify)
-        self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
+        record.streamed = self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
+        record.t_emit = time.time()
         self._schedule(verify.batch)
         self._record(task, record, result, t_arrived)
 
@@ -513,6 +525,7 @@ class BatchManager:
         resumed request's brings nothing: it has its tokens)."""
         self.sched.commit_prefill(prefill)
         ends = [row for row, c in enumerate(prefill.chunks) if c.last and not c.state.resumed]
+        self._joined += len(ends)
         for c in prefill.chunks:
             if not c.last or c.state.resumed:
                 self.sched.release(c.state)   # aborted meanwhile: its slot is free once nothing writes it
@@ -576,8 +589,9 @@ class BatchManager:
         if verify.high_load == verify.regime and verify.regime in ("psd", "seq") and self.mode == "psd":
             self.sched.high_chooser.observe(verify.regime, record.ms_per_row, step)
 
-    def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> None:
-        """Append a task's tokens to its requests and stream them (the scheduler has counted the task done)."""
+    def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> int:
+        """Append a task's tokens to its requests and stream them (the scheduler has counted the task done).
+        -> the number of requests streamed to (those finished or aborted meanwhile get nothing)."""
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
         for row, (state, toks, nd) in enumerate(zip(states, tokens, num_drafts)):
             if state.request.finished:   # finished or aborted meanwhile: its extra tokens are dropped
@@ -591,6 +605,7 @@ class BatchManager:
             kept = commit_tokens([s.request for s in live], live_tokens,
                                  live_logprobs if logprobs is not None else None, live_drafts)
             self._emit(live, kept)
+        return len(live)
 
     @staticmethod
     def _num_logprobs(states: list[RequestState]) -> int:

@@ -23,6 +23,10 @@ class StepRecord:
     accepted: int = 0
     draft_tokens: int = 0
     admitted: int = 0
+    batch: int = 0                   # the batch verified (psd, sd_split: 0 = A, 1 = B; otherwise 0)
+    streamed: int = 0                # rows whose tokens went to their streams (not those of requests ended meanwhile)
+    joined: int = 0                  # requests given their first token by a prefill since the previous step
+    t_emit: float = 0.0              # wall clock when its tokens were handed to the requests' streams
     extra: dict = field(default_factory=dict)
 
     @property

@@ -54,14 +54,14 @@ from ..engine.hub import with_local_models
 from ..engine.presets import resolve_model
 from ..engine.sampling import SamplingParams
 from ..observability.heap import CollectorWatch
-from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
+from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput, StepRecord
 from ..runtime.placement import STRATEGY, make_bundles
 from ..runtime.workers import shared_vocab
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
-from .streams import Accepted, OutputBatcher, RequestSink, StreamRouter, start_mailbox
+from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -131,6 +131,15 @@ class EngineServer:
     async def info(self) -> dict:   # async: runs on the loop that owns the manager
         return {**self.manager.info(), "workers": self.manager.worker_info,
                 "replica": serve.get_replica_context().replica_id.unique_id}
+
+    async def steps_since(self, step: int) -> list[StepRecord]:
+        """The engine's step records after step number `step` (info's `steps`): benchmarks read a run's steps.
+        A handle call only, no HTTP route."""
+        return self.manager.steps_since(step)
+
+    async def flushes_since(self, t: float) -> list[FlushRecord]:
+        """The output batcher's interval flushes after wall clock `t`: benchmarks read a run's flushes."""
+        return [f for f in self.outputs.history if f.t > t]
 
     async def check_health(self) -> None:
         if self.manager.dead:

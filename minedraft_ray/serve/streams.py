@@ -19,7 +19,7 @@ import concurrent.futures
 import logging
 import pickle
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,14 @@ class Accepted:
     (`key` names that replica's mailbox)."""
     mailbox: object
     key: str
+
+
+@dataclass(frozen=True)
+class FlushRecord:
+    """One interval flush of an engine replica's outputs, for benchmarks (EngineServer.flushes_since)."""
+    t: float                         # wall clock
+    late_ms: float                   # after its grid time: the replica's event loop (the step loop's) was busy
+    requests: int                    # requests with outputs in it
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -119,6 +127,7 @@ class OutputBatcher:
         self.due = 0.0                # when the scheduled interval's flush is due
         self.tick: asyncio.TimerHandle | asyncio.Handle | None = None
         self.rush: asyncio.Handle | None = None
+        self.history: deque[FlushRecord] = deque(maxlen=100_000)   # one per interval flush
 
     def put(self, subscriber: str, out: StepOutput, urgent: bool = False) -> None:
         outs = self.pending.setdefault(subscriber, {})
@@ -169,6 +178,7 @@ class OutputBatcher:
         batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items() if outs}
         self.pending = {}
         self._send(batch)
+        self.history.append(FlushRecord(time.time(), (now - self.due) * 1e3, sum(map(len, batch.values()))))
 
 
 class RequestSink:
