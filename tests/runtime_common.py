@@ -19,6 +19,18 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def reconfigure_when_idle(llm, timeout_s=30.0, **settings):
+    """sd and ar keep a step queued behind a request's last one: the engine is idle once it has run."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return llm.reconfigure(**settings)
+        except ray.exceptions.RayTaskError as e:
+            if "idle" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def settled(llm, timeout_s=10.0) -> dict:
     """The engine's info once no slot is held: a finished request's slot is freed when the step queued
     behind its last one (sd, ar) commits, just after its final output reached the caller."""
