@@ -10,8 +10,9 @@ import ray
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
-from runtime_common import (LENGTHS, PROMPTS, check_balance, greedy, links_in_flight, links_listening_everywhere,
-                            reconfigure_when_idle, settled, whole_tables)
+from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
+                            links_in_flight, links_listening_everywhere, reconfigure_when_idle, settled,
+                            whole_tables)
 
 
 def test_make_bundles():
@@ -105,7 +106,9 @@ def test_greedy_modes_equal_ar(request, ray_cluster, tiny_llama, tiny_llama_draf
             assert in_flight == {"verifier": 0, "drafter": 0}
             # the channel's rendezvous and sockets: nothing of either actor listens on every interface
             assert links_listening_everywhere(llm) == {"verifier": [], "drafter": []}
-        if mode in ("ar", "sd_split"):   # on the same engine (suite time: an engine's start is most of a test)
+        if mode == "ar":   # on the same engine (suite time: an engine's start is most of a test)
+            check_seeded_sampling_equals_ar(llm, tiny_llama, drafts=False)
+        if mode in ("ar", "sd_split"):
             check_fused_chunks_equal_ar(llm, reference)
     finally:
         if not shared:
