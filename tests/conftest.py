@@ -14,7 +14,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 SLOWEST_FIRST = ("test_cli.py", "test_runtime_faults.py", "test_cluster.py", "test_runtime_regimes.py",
                  "test_runtime.py", "test_bench_scripts.py", "test_runtime_paging.py", "test_security.py",
                  "test_bench_smoke.py", "test_tensor_parallel.py", "test_openai_compat.py", "test_runtime_sampling.py",
-                 "test_chunked_prefill.py", "test_serve.py", "test_ray_collective.py", "test_draft_identity.py",
+                 "test_serve.py", "test_chunked_prefill.py", "test_ray_collective.py", "test_draft_identity.py",
                  "test_serve_bench.py", "test_attention_triton.py", "test_tp_serve.py", "test_real_traffic_bench.py")
 
 

@@ -19,6 +19,18 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def reconfigure_when_idle(llm, timeout_s=30.0, **settings):
+    """sd and ar keep a step queued behind a request's last one: the engine is idle once it has run."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return llm.reconfigure(**settings)
+        except ray.exceptions.RayTaskError as e:
+            if "idle" not in str(e) or time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def settled(llm, timeout_s=10.0) -> dict:
     """The engine's info once no slot is held: a finished request's slot is freed when the step queued
     behind its last one (sd, ar) commits, just after its final output reached the caller."""
@@ -82,3 +94,20 @@ def whole_tables(worker, model: str, slots: list[int], tokens: int) -> TableEdit
     blocks = PlannedBlocks(spec, max(slots) + 1, prefix_caching=False)
     blocks.reserve_many(slots, [tokens] * len(slots))
     return blocks.take_edits()
+
+
+def check_seeded_sampling_equals_ar(llm, target, drafts: bool) -> None:
+    """Greedy drafting samples the target with the noise plain decoding uses at each position, so a seeded request
+    gives the in-process ar engine's text through the runtime, alone or among others (whatever the draft schedule,
+    and with sd/ar steps queued ahead from the verifier's slot state)."""
+    from minedraft_ray.engine.engine import Engine
+
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + i)
+              for i in range(len(PROMPTS))]
+    ar = Engine(target, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, params)
+    crowd = llm.generate(PROMPTS, params)
+    alone = llm.generate(PROMPTS[2], params[2])[0]
+    assert [o.token_ids for o in crowd] == [o.token_ids for o in ar]
+    assert alone.token_ids == ar[2].token_ids
+    assert (sum(o.stats["accepted"] for o in crowd) > 0) == drafts
+    assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)

@@ -1,8 +1,9 @@
 """Chunked prefill through the Ray runtime (real local cluster, tiny models, fp32 CPU): prompts cut into chunks
 under the per-step token budget, riding along with the decode/verify steps (fused into the verify's launch, or
 launches of their own), still give `ar`'s greedy output token for token in every mode, at every chunk size,
-including chunks that end mid-prompt at awkward lengths and budgets smaller than a verify's rows; and a drafter
-killed while prompts are being prefilled chunk by chunk fails no request."""
+including chunks that end mid-prompt at awkward lengths and budgets smaller than a verify's rows (ar's and
+sd_split's fused chunks: test_runtime.py's greedy test, on its engines); and a drafter killed while prompts are
+being prefilled chunk by chunk fails no request."""
 import math
 import time
 
@@ -13,6 +14,7 @@ from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM
 from minedraft_ray.testing.workers import faulty_drafter
+from runtime_common import reconfigure_when_idle
 
 LONG = ("Chunked prefill cuts a long prompt into pieces that ride along with the steps of the requests already "
         "running, so none of them waits for the whole prompt at once. ")
@@ -26,18 +28,6 @@ CHUNKS = ((1, True), (3, True), (7, True), (13, True), (7, False), (0, False))
 
 def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def reconfigure_when_idle(llm, timeout_s=30.0, **settings):
-    """sd and ar keep a step queued behind a request's last one: the engine is idle once it has run."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            return llm.reconfigure(**settings)
-        except ray.exceptions.RayTaskError as e:
-            if "idle" not in str(e) or time.time() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +67,6 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, 
         # chunks rode verifies where one left room in the budget, and only with fusion on
         assert fused_at[13, True] > 0 and fused_at[fits, True] > 0, fused_at
         assert fused_at[1, True] == fused_at[3, True] == fused_at[7, False] == fused_at[0, False] == 0, fused_at
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize("mode", ["ar", "sd_split"])
-def test_fused_chunks_equal_ar_in_the_other_modes(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
-    """ar and sd_split with chunks fused into their verifies (sd's and psd's step paths above): ar's output at a
-    budget that fits one row and a chunk, and at one that fits three."""
-    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, prefill_chunk_tokens=5)
-    try:
-        for chunk in (5, 13):
-            reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
-            before = llm.info()["fused_prefills"]
-            outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
-            assert llm.info()["fused_prefills"] > before, chunk
     finally:
         llm.shutdown()
 

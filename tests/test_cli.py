@@ -1,5 +1,6 @@
-"""The `minedraft` CLI and the Serve config file: flags <-> EngineConfig, and real end-to-end runs, each
-against its own private Ray instance started by the command under test (killed by its process group)."""
+"""The `minedraft` CLI and the Serve config file: flags <-> EngineConfig, and real end-to-end runs: `minedraft
+serve` against its own private Ray instance (killed by its process group), `minedraft generate` and `serve run` of
+the YAML joining the session's cluster (--address)."""
 import os
 import signal
 import socket
@@ -244,7 +245,13 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def test_serve_run_of_the_yaml(run_env, tmp_path):
+def test_serve_run_of_the_yaml(ray_cluster, run_env, tmp_path):
+    """`serve run --address <cluster> minedraft.yaml` (the file's way onto a running cluster) on the session's
+    cluster, its token in the environment; its Ctrl-C shuts down Serve there. The private instance the file's
+    other recipe starts (RAY_ADDRESS=local) is Ray's own; `minedraft serve` above covers ours (suite time: one
+    Ray start fewer)."""
+    from ray import serve
+
     config = yaml.safe_load((REPO / "deployments" / "minedraft.yaml").read_text())
     assert config["http_options"]["host"] == "127.0.0.1"
     port = free_port()
@@ -252,7 +259,9 @@ def test_serve_run_of_the_yaml(run_env, tmp_path):
     path = tmp_path / "minedraft.yaml"
     path.write_text(yaml.safe_dump(config))
     serve_cli = str(Path(sys.executable).parent / "serve")
-    cmd = Command([serve_cli, "run", str(path)], {**run_env, "RAY_ADDRESS": "local"}, tmp_path / "run.log")
+    serve.shutdown()   # a Serve instance an earlier module started would keep its own HTTP port
+    address = ray_cluster.get_runtime_context().gcs_address
+    cmd = Command([serve_cli, "run", "--address", address, str(path)], run_env, tmp_path / "run.log")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, cmd, timeout=300)
@@ -264,16 +273,24 @@ def test_serve_run_of_the_yaml(run_env, tmp_path):
         assert body["usage"]["completion_tokens"] <= 6 and body["minedraft"]["mode"] == "psd"
     finally:
         cmd.interrupt()
+        serve.shutdown()   # forget the client of the instance the command shut down
 
 
-def test_minedraft_generate(run_env, tmp_path, tiny_llama, tiny_llama_draft):
+def test_minedraft_generate_joins_a_cluster(ray_cluster, run_env, tmp_path, tiny_llama, tiny_llama_draft):
+    """`minedraft generate --address` on the session's cluster (its token in the environment, as an operator
+    would pass it): the engine runs there and is removed after; `minedraft serve` above covers the private
+    instance both commands start without --address (suite time: one Ray start fewer)."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    groups_before = set(ray_cluster.util.placement_group_table())
     args = [MINEDRAFT, "generate", "The quick brown fox", "def fibonacci(n):", "--max-tokens", "8", "--ignore-eos",
             "--target", str(tiny_llama), "--draft", str(tiny_llama_draft), "--max-batch", "2",
-            "--num-cpus", "2", "--num-gpus", "2", "--torch-threads", "1"]
+            "--address", address, "--torch-threads", "1"]
     out = subprocess.run(args, env=run_env, capture_output=True, text=True, timeout=300, start_new_session=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("--- 8 tokens, finish_reason=length, acceptance_rate=") == 2
     assert "=== 1: 'def fibonacci(n):'" in out.stdout
+    created = {pg: state for pg, state in ray_cluster.util.placement_group_table().items() if pg not in groups_before}
+    assert created and all(state["state"] == "REMOVED" for state in created.values()), created
 
 
 def test_grafana_export_through_the_cli(tmp_path):

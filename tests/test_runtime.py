@@ -10,8 +10,9 @@ import ray
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
-from runtime_common import (LENGTHS, PROMPTS, check_balance, greedy, links_in_flight, links_listening_everywhere,
-                            settled, whole_tables)
+from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
+                            links_in_flight, links_listening_everywhere, reconfigure_when_idle, settled,
+                            whole_tables)
 
 
 def test_make_bundles():
@@ -105,9 +106,25 @@ def test_greedy_modes_equal_ar(request, ray_cluster, tiny_llama, tiny_llama_draf
             assert in_flight == {"verifier": 0, "drafter": 0}
             # the channel's rendezvous and sockets: nothing of either actor listens on every interface
             assert links_listening_everywhere(llm) == {"verifier": [], "drafter": []}
+        if mode == "ar":   # on the same engine (suite time: an engine's start is most of a test)
+            check_seeded_sampling_equals_ar(llm, tiny_llama, drafts=False)
+        if mode in ("ar", "sd_split"):
+            check_fused_chunks_equal_ar(llm, reference)
     finally:
         if not shared:
             llm.shutdown()
+
+
+def check_fused_chunks_equal_ar(llm, reference):
+    """ar and sd_split with prompt chunks fused into their verifies (test_chunked_prefill.py checks sd's and psd's
+    step paths at every budget): ar's output at a budget that fits one row and a chunk, and at one that fits
+    three, and chunks rode verifies at both."""
+    for chunk in (5, 13):
+        reconfigure_when_idle(llm, prefill_chunk_tokens=chunk)
+        before = llm.info()["fused_prefills"]
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], chunk
+        assert llm.info()["fused_prefills"] > before, chunk
 
 
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # ar's chain is sd's without drafts (suite time)

@@ -1,14 +1,13 @@
 """The Ray runtime's psd regimes (split or sequential by load, measured both ways), seeded sampling equal in every
-mode and load, and stream coalescing (fake GPUs, the session's cluster)."""
+mode and load (ar's on test_runtime.py's ar engine), and stream coalescing (fake GPUs, the session's cluster)."""
 import asyncio
 import time
 
 import pytest
 
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM
-from runtime_common import LENGTHS, PROMPTS, check_balance, greedy
+from runtime_common import LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy
 
 
 @pytest.mark.parametrize("load", ["low", "high"])
@@ -55,30 +54,39 @@ def test_psd_high_load_sequential_queues_beyond_one_batch(ray_cluster, tiny_llam
         llm.shutdown()
 
 
-def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(ray_cluster, tiny_llama, tiny_llama_draft,
-                                                                         reference_10):
+# psd with the default regimes: one engine for sd_split's schedule, which reads the engine's history and regime
+# counters and so runs on it first, and seeded sampling (an engine's start is most of either test)
+SHARED_PSD = {"mode": "psd", "k": 2, "max_batch": 4}
+
+
+@pytest.fixture(scope="module")
+def shared_psd(ray_cluster, tiny_llama, tiny_llama_draft):
+    llm = LLM(tiny_llama, tiny_llama_draft, torch_threads=1, **SHARED_PSD)
+    yield llm
+    llm.shutdown()
+
+
+def test_psd_runs_sd_splits_schedule_until_the_demand_fills_both_batches(shared_psd, reference_10):
     """The defaults: a demand one batch holds runs one sequential batch (psd_low_load=seq), and a demand above
     one batch but short of two is served FIFO by that batch (psd_high_load=auto; the split would share the
     verifier among more requests for little more throughput): sd_split's schedule. Output == ar's."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=4, torch_threads=1)
-    try:
-        outs = llm.generate(PROMPTS[:3], [greedy(10)] * 3)   # max_batch 4: one batch holds them
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:3]]
-        prompts = PROMPTS[:7]   # more than one batch holds, fewer than two
-        outs = llm.generate(prompts, [greedy(10)] * len(prompts))
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:7]]
-        history = llm.history()
-        assert {h.regime for h in history} == {"seq"}
-        assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
-        info = llm.info()
-        assert info["high_load_regime"]["saturated"] is False
-        # info says what ran: every step was sequential, at low load and at high load
-        for load in ("low", "high"):
-            regime = info[f"{load}_load_regime"]
-            assert regime["current"] == regime["last_step"] == "seq", regime
-            assert set(regime["steps"]) == {"seq"}, regime
-    finally:
-        llm.shutdown()
+    llm = shared_psd
+    assert not llm.history(), "the shared engine ran something before: its history is this test's"
+    outs = llm.generate(PROMPTS[:3], [greedy(10)] * 3)   # max_batch 4: one batch holds them
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:3]]
+    prompts = PROMPTS[:7]   # more than one batch holds, fewer than two
+    outs = llm.generate(prompts, [greedy(10)] * len(prompts))
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:7]]
+    history = llm.history()
+    assert {h.regime for h in history} == {"seq"}
+    assert max(sum(h.sizes) for h in history) <= 4 and not any("high_load" in h.extra for h in history)
+    info = llm.info()
+    assert info["high_load_regime"]["saturated"] is False
+    # info says what ran: every step was sequential, at low load and at high load
+    for load in ("low", "high"):
+        regime = info[f"{load}_load_regime"]
+        assert regime["current"] == regime["last_step"] == "seq", regime
+        assert set(regime["steps"]) == {"seq"}, regime
 
 
 def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draft, reference_10):
@@ -111,27 +119,10 @@ def shared_sd(ray_cluster, tiny_llama, tiny_llama_draft):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["psd", "sd", "ar"])
-def test_seeded_sampling_is_the_same_in_every_mode_and_load(request, ray_cluster, tiny_llama, tiny_llama_draft, mode):
-    """Greedy drafting samples the target with the noise plain decoding uses at each position, so a
-    seeded request gives the in-process ar text through the runtime in every mode, alone or among others
-    (whatever the draft schedule, and with sd/ar steps queued ahead from the verifier's slot state)."""
-    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=100 + i)
-              for i in range(len(PROMPTS))]
-    ar = Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, params)
-    shared = mode == "sd"
-    llm = request.getfixturevalue("shared_sd") if shared else LLM(
-        tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1)
-    try:
-        crowd = llm.generate(PROMPTS, params)
-        alone = llm.generate(PROMPTS[2], params[2])[0]
-    finally:
-        if not shared:
-            llm.shutdown()
-    assert [o.token_ids for o in crowd] == [o.token_ids for o in ar]
-    assert alone.token_ids == ar[2].token_ids
-    assert (sum(o.stats["accepted"] for o in crowd) > 0) == (mode != "ar")
-    assert len({tuple(o.token_ids) for o in ar}) == len(PROMPTS)
+@pytest.mark.parametrize("mode", ["psd", "sd"])   # ar's: test_runtime.py, on its greedy test's ar engine
+def test_seeded_sampling_is_the_same_in_every_mode_and_load(request, tiny_llama, mode):
+    """Seeded sampling through psd (ten requests fill both batches) and sd gives the in-process ar text."""
+    check_seeded_sampling_equals_ar(request.getfixturevalue(f"shared_{mode}"), tiny_llama, drafts=True)
 
 
 @pytest.mark.parametrize("interval_ms", [0.0, 150.0])
