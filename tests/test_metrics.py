@@ -263,3 +263,33 @@ def test_batch_imbalance_is_the_splits_and_zero_in_one_sequential_batch(ray_clus
     assert imbalance("psd", (5, 0), True) == 0    # the step was split, and everyone is in one batch since
     assert imbalance("psd", (2, 4), False) == 2   # a violation shows
     metrics.close()
+
+
+def test_the_offline_manager_freezes_its_startup_heap(prom, served):
+    """The offline engine's manager (an actor, not a Serve replica, so nothing freezes it for it) keeps its startup
+    objects out of the collector's scans, and says so."""
+    sel = f'model="{served["model"]}", process="manager"'
+    deadline = time.monotonic() + POLL_S
+    while (prom.scalar(f"max(ray_minedraft_gc_frozen_objects{{{sel}}})") or 0) <= 1000 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert prom.scalar(f"max(ray_minedraft_gc_frozen_objects{{{sel}}})") > 1000
+
+
+def test_collector_watch_records_full_collections_and_closes(ray_cluster):
+    import gc
+
+    from minedraft_ray.observability.heap import CollectorWatch
+
+    watch = CollectorWatch("test", "m", "ar", replica="r")
+    try:
+        seen = False
+        for _ in range(3):   # its thread hands what it recorded to Ray every few seconds: look right after
+            gc.collect()
+            seen = seen or any(generation == 2 for generation, _ in watch._recorded)
+        assert seen
+    finally:
+        watch.close()
+    assert watch._on_collection not in gc.callbacks
+    watch._recorded.clear()
+    gc.collect()
+    assert not watch._recorded

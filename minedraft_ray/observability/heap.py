@@ -38,8 +38,15 @@ class CollectorWatch:
                             tag_keys=LABELS)
         self._started = 0.0
         self._recorded: deque[tuple[int, float]] = deque(maxlen=10_000)
+        self._stop = threading.Event()
         gc.callbacks.append(self._on_collection)
         threading.Thread(target=self._export_loop, name="minedraft-gc", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop watching (an engine shut down in a process that lives on): the callback and the thread go."""
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+        self._stop.set()
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -57,8 +64,7 @@ class CollectorWatch:
         self.frozen.set(gc.get_freeze_count(), tags=self.tags)
 
     def _export_loop(self) -> None:
-        while True:
-            time.sleep(EXPORT_S)
+        while not self._stop.wait(EXPORT_S):
             while self._recorded:
                 generation, took = self._recorded.popleft()
                 self.pauses.observe(took, tags={**self.tags, "generation": str(generation)})

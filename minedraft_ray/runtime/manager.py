@@ -118,8 +118,8 @@ def fuses_prefill(config: EngineConfig) -> bool:
 def default_prefill_chunk(on_gpu: bool) -> int:
     """prefill_chunk_tokens' default: the same chunked path everywhere, the device picks the budget. On a GPU a
     chunk of 512 prompt tokens (fused: a launch of 512 tokens, the verify's rows included) is a few times a decode
-    step's rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024). A CPU computes a chunk at its token count's cost, so
-    half that keeps a running request's extra wait at a few verify steps (docs/design.md)."""
+    step's rows, enough for the GEMMs to run near full rate, and graphed (the packed runner's buckets end at 1024).
+    A CPU computes a chunk at its token count's cost, so half that keeps a running request's extra wait at a few verify steps (docs/design.md)."""
     return 512 if on_gpu else 256
 
 
@@ -254,6 +254,7 @@ class BatchManager:
         for state in list(self.requests.values()):
             self._finish(state, "abort", error="engine shut down")
         self.metrics.close()
+        self.collector.close()
         await self.actors.shutdown()
 
     # ---- requests ------------------------------------------------------------------------------
