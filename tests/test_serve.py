@@ -429,3 +429,22 @@ def test_engine_failure_is_a_5xx(server):
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
     assert r.headers["Retry-After"] == "1"
     # tests/test_security.py: what comes next (health, recovery, what a client never sees)
+
+
+def test_a_client_gone_mid_stream_is_one_log_line_not_a_traceback(caplog):
+    """Serve cancels the request of a client that went away; inside a streaming response its receive() then
+    raises TaskCancelledError, which reaches the app's exception handler: an everyday event, logged as one line."""
+    from ray.exceptions import TaskCancelledError
+    from starlette.requests import Request
+
+    from minedraft_ray.serve.app import _internal_error
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                       "query_string": b"", "scheme": "http", "server": ("127.0.0.1", 8000)})
+    with caplog.at_level("INFO", logger="minedraft.serve"):
+        response = asyncio.run(_internal_error(request, TaskCancelledError()))
+        unexpected = asyncio.run(_internal_error(request, RuntimeError("boom")))
+    assert response.status_code == 499 and unexpected.status_code == 500
+    gone, fault = caplog.records
+    assert "client went away" in gone.getMessage() and gone.exc_info is None
+    assert fault.exc_info is not None and b"boom" not in unexpected.body

@@ -44,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -170,6 +170,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
 
 @api.exception_handler(Exception)
 async def _internal_error(request: Request, exc: Exception):
+    if isinstance(exc, TaskCancelledError):
+        # Serve cancels a request whose client went away, and its receive() raises this inside the streaming
+        # response: an everyday event, not a fault (the engine's request is aborted by the stream's own cleanup)
+        log.info("client went away: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
     # unexpected: the traceback goes to the replica's log, the client learns nothing about it
     log.error("unhandled %s on %s %s", type(exc).__name__, request.method, request.url.path, exc_info=exc)
     return JSONResponse(internal_error().body(), status_code=500)
