@@ -441,17 +441,50 @@ def test_packed_default_tiles_8b_heads(attend_packed_cpu, tiles):
 
 
 @interpreter_only
-@pytest.mark.parametrize("decode_rows", [0, 4, 12, 13, 40])   # none, mid-request, a request's end, all of them
-def test_fused_rows_then_chunks_match_reference(attend_packed_cpu, decode_rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("width", [1, 3, 4])     # a program per token, or per row of several (3: rows straddle slots)
+@pytest.mark.parametrize("num_splits", [1, 3])   # 1: the kernel writes the output; 3: keys split, then combined
+def test_packed_rows_mode_matches_reference(attend_packed_cpu, dtype, groups, width, num_splits):
+    """Rows mode (a fused step's decode/verify rows): a program per `width` tokens, whichever slots they belong to,
+    and each slot's keys split over programs whose softmaxes are merged."""
+    case = make_packed_case(PACKED_REQUESTS, groups, head_dim=16, dtype=dtype)
+    out = paged(attend_packed_cpu, case, 4, scale=0.25, row_width=width, num_splits=num_splits, block_n=16)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[dtype])
+
+
+def test_rows_launch_shape_is_a_decode_steps():
+    """The 8B shape on 132 SMs: a fused step's rows take the programs and splits a decode step of the same rows
+    takes (attention_triton.launch_shape), not a few programs walking many contexts each."""
+    from minedraft_ray.engine.attention_packed_triton import rows_launch_shape
+    from minedraft_ray.engine.attention_triton import launch_shape
+
+    cpu = torch.device("cpu")
+    for batch, width in ((32, 1), (16, 1), (64, 1), (32, 4), (8, 4)):
+        block_m, rows, block_n, splits, _ = rows_launch_shape(batch * width, width, 4, 8, 128, 4106, 132)
+        assert rows == 4 * width and (block_m, block_n, splits) == launch_shape(batch, width, 32, 8, 4106, 128, cpu)
+    assert rows_launch_shape(32, 1, 4, 8, 128, 4106, 132)[3] == 2   # 256 programs: two splits fill 2 x 132 SMs
+    assert rows_launch_shape(16, 1, 4, 8, 128, 40, 132)[3] == 1     # never more splits than key tiles
+
+
+@interpreter_only
+@pytest.mark.parametrize("rows", [None, (4, 4), (12, 4), (13, 4), (40, 4), (16, 1), (6, 3)])
+def test_fused_rows_then_chunks_match_reference(attend_packed_cpu, rows):
     """A fused step's launch: verify rows of 4 tokens on four slots at their lengths, then two prompt chunks; the
-    rows' tokens in small blocks and the rest in the kernel's own (attend_rows_then_packed), every token as the
-    reference attends it, wherever the split falls."""
-    from minedraft_ray.engine.attention import attend_rows_then_packed
+    rows' tokens a row per program with the keys split and the rest in the kernel's own blocks
+    (attend_rows_then_packed), every token as the reference attends it, wherever the split falls (13: past the
+    rows into a chunk; width 1 or 3: programs of other widths than the rows')."""
+    from minedraft_ray.engine.attention import DecodeRows, attend_rows_then_packed
 
     requests = [(0, 9, 4), (3, 20, 4), (2, 1, 4), (4, 30, 4), (5, 0, 11), (1, 6, 5)]
     case = make_packed_case(requests, groups=2, head_dim=16, dtype=torch.float32)
 
+    def kernel(*args, row_width=None, **kwargs):   # small key tiles and 3 splits: the tiny keys still split
+        tiles = {"block_n": 16, "num_splits": 3} if row_width else {}
+        return attend_packed_cpu(*args, row_width=row_width, **kwargs, **tiles)
+
     def split(*args, **kwargs):
-        return attend_rows_then_packed(attend_packed_cpu, *args, decode_rows=decode_rows, **kwargs)
+        return attend_rows_then_packed(kernel, *args, rows=DecodeRows(*rows) if rows else None, **kwargs)
     out = paged(split, case, 4, scale=0.25)
     torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[torch.float32])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,32 +86,39 @@ def attend_packed_reference(q, k_cache, v_cache, block_tables, token_slots, posi
     return out
 
 
-# query rows (token, group member) per program for a fused step's decode/verify rows: the least a dot takes
-ROW_BLOCK_M = 16
+@dataclass(frozen=True)
+class DecodeRows:
+    """The front of a fused step's packed launch: `tokens` tokens that hold its decode/verify rows of `width`
+    tokens each (a graph's static count may run past the real rows into prompt chunk tokens)."""
+    tokens: int
+    width: int
 
 
-def attend_packed(q, k_cache, v_cache, block_tables, token_slots, positions, scale, decode_rows: int = 0
+def attend_packed(q, k_cache, v_cache, block_tables, token_slots, positions, scale, rows: DecodeRows | None = None
                   ) -> torch.Tensor:
     # q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [S, W]; token_slots, positions: [T]
-    # decode_rows: tokens at the front that a fused step's decode/verify rows hold (a few per slot). A kernel
-    # program of prefill-sized blocks would walk each of a block's slots' keys in turn, many slots for such rows;
-    # small blocks (a slot or a few each) keep them parallel. The rest, prompt chunks, keep the large blocks.
+    # rows: tokens at the front that a fused step's decode/verify rows hold. Each such row sees its slot's whole
+    # context, so a program of prefill-sized blocks (or of several rows) would walk many contexts alone while most
+    # SMs idle; a program per row with the keys split, as in a decode step, keeps them parallel. The rest, prompt
+    # chunks, keep the prefill blocks.
     if q.is_cuda:
         kernel = triton_op("attention_packed_triton", "attend_packed_triton")
         if kernel is not None:
             return attend_rows_then_packed(kernel, q, k_cache, v_cache, block_tables, token_slots, positions, scale,
-                                           decode_rows)
+                                           rows)
     return attend_packed_reference(q, k_cache, v_cache, block_tables, token_slots, positions, scale)
 
 
 def attend_rows_then_packed(kernel, q, k_cache, v_cache, block_tables, token_slots, positions, scale,
-                            decode_rows: int) -> torch.Tensor:
-    """The packed kernel over the first `decode_rows` tokens in small blocks, then over the rest in its own."""
-    if decode_rows <= 0:
+                            rows: DecodeRows | None) -> torch.Tensor:
+    """The packed kernel over the first `rows.tokens` tokens a row per program, then over the rest in its own
+    blocks, both into one output."""
+    if rows is None or rows.tokens <= 0:
         return kernel(q, k_cache, v_cache, block_tables, token_slots, positions, scale)
-    n = min(decode_rows, q.shape[0])
-    rows = kernel(q[:n], k_cache, v_cache, block_tables, token_slots[:n], positions[:n], scale, block_m=ROW_BLOCK_M)
-    if n == q.shape[0]:
-        return rows
-    rest = kernel(q[n:], k_cache, v_cache, block_tables, token_slots[n:], positions[n:], scale)
-    return torch.cat([rows, rest])
+    n = min(rows.tokens, q.shape[0])
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kernel(q[:n], k_cache, v_cache, block_tables, token_slots[:n], positions[:n], scale, row_width=rows.width,
+           out=out[:n])
+    if n < q.shape[0]:
+        kernel(q[n:], k_cache, v_cache, block_tables, token_slots[n:], positions[n:], scale, out=out[n:])
+    return out

@@ -4,6 +4,12 @@ Tokens of several requests lie back to back in one flat [T] run; token t sees ke
 token_slots[t]. One program takes BLOCK_M consecutive (token, group member) rows of one KV head, so the
 G query heads sharing a KV head read each K/V tile once (GQA), and runs an fp32 online softmax.
 
+A fused step's decode/verify rows (`rows` mode) take small programs instead: each holds the W tokens of one row
+(all G heads), and the keys of its slot are split over NUM_SPLITS programs whose partial softmaxes a second
+kernel merges (attention_triton's combine), as a decode step's flash-decoding kernel does. A decode row's keys
+are the whole context, so without the split a few programs would walk every row's context alone while most SMs
+idle.
+
 A block of rows may straddle a request boundary. The program then walks the distinct slots among its rows
 (one pass each, smallest slot id first), every pass reading keys 0..max position of that slot's rows and
 masking the other rows out; the per-row softmax state carries over the passes. Inside one request the block
@@ -17,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import num_sms
+from .attention_triton import CONFIG, _combine_kernel, num_sms
 
 LOG2E = 1.4426950408889634
 NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done never win the min
@@ -25,19 +31,23 @@ NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done
 
 @triton.jit
 def _attend_packed_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr,
-    qk_scale, T, R,
+    q_ptr, k_ptr, v_ptr, table_ptr, slots_ptr, pos_ptr, out_ptr, o_part_ptr, lse_ptr,
+    qk_scale, T, R, NUM_SPLITS,
     stride_qt, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_table,
     BS: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
+    # ROWS <= BLOCK_M consecutive (token, group member) rows per program: BLOCK_M (prefill blocks) or a row's W * G
     m_block = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # kv head
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] flattened (token, group member)
-    row_ok = rows < T * G
+    split = tl.program_id(2)
+    lanes = tl.arange(0, BLOCK_M)
+    rows = m_block * ROWS + lanes  # [BLOCK_M] flattened (token, group member)
+    row_ok = (lanes < ROWS) & (rows < T * G)
     ti = rows // G
     head = h * G + rows % G
     d = tl.arange(0, BLOCK_D)
@@ -57,18 +67,22 @@ def _attend_packed_kernel(
         current = tl.min(tl.where(pending, slot, NO_SLOT), axis=0)
         mine = pending & (slot == current)
         live = tl.minimum(tl.max(tl.where(mine, pos, -1), axis=0) + 1, R)
+        # this program's share of the slot's keys: all of them, or one of NUM_SPLITS even pieces
+        piece = tl.cdiv(tl.cdiv(live, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * piece
+        end = tl.minimum(start + piece, live)
         table = table_ptr + current.to(tl.int64) * stride_table
         k_base = k_ptr + h * stride_kh
         v_base = v_ptr + h * stride_vh
-        for n0 in range(0, live, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):  # empty when this split starts past the slot's live keys
             n = n0 + offs_n
-            kv_mask = (n < live)[:, None] & d_ok[None, :]
-            block = tl.load(table + n // BS, mask=n < live, other=0).to(tl.int64)  # [BLOCK_N] physical blocks
+            kv_mask = (n < end)[:, None] & d_ok[None, :]
+            block = tl.load(table + n // BS, mask=n < end, other=0).to(tl.int64)  # [BLOCK_N] physical blocks
             k_row = block * stride_kb + (n % BS) * stride_kn
             v_row = block * stride_vb + (n % BS) * stride_vn
             k = tl.load(k_base + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-            visible = mine[:, None] & (n[None, :] <= pos[:, None]) & (n < live)[None, :]
+            visible = mine[:, None] & (n[None, :] <= pos[:, None]) & (n < end)[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             # rows with nothing visible yet keep m = -inf; subtract 0 instead so exp2 gives 0, not NaN
@@ -81,9 +95,18 @@ def _attend_packed_kernel(
             m_i = m_new
         pending = pending & (slot != current)
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (ti * HQ + head)[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_row = ti * HQ + head  # [BLOCK_M] row of the contiguous [T, Hq] output
+    if DIRECT:
+        tl.store(out_ptr + out_row[:, None] * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part_row = out_row * NUM_SPLITS + split  # [T, Hq, NUM_SPLITS], as attention_triton's combine reads it
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # log2 units
+        tl.store(lse_ptr + part_row, lse, mask=row_ok)
+        # splits that saw nothing leave o unwritten; the combine never reads it (their lse is -inf)
+        tl.store(o_part_ptr + part_row[:, None] * D + d[None, :], o, mask=(row_ok & seen)[:, None] & d_ok[None, :])
 
 
 def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -101,16 +124,36 @@ def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: 
     return 64, 64, 8
 
 
+def rows_launch_shape(tokens: int, width: int, groups: int, kv_heads: int, head_dim: int, max_keys: int,
+                      sm_count: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, rows per program, BLOCK_N, splits, num_warps) for `tokens` decode/verify tokens in rows of `width`.
+
+    As attention_triton.launch_shape picks them for a decode step of the same rows: a program per row and KV head
+    (its width x G query rows, at least 16 for tl.dot), the keys split until the programs fill the SMs twice over
+    (CONFIG), never into more pieces than key tiles a slot holds."""
+    rows = min(width * groups, 128)
+    block_m = max(16, triton.next_power_of_2(rows))
+    block_n = CONFIG.BLOCK_N if head_dim <= 128 else CONFIG.BLOCK_N // 2
+    programs = triton.cdiv(tokens * groups, rows) * kv_heads
+    splits = min(triton.cdiv(CONFIG.TARGET_WAVES * sm_count, programs), triton.cdiv(max_keys, block_n),
+                 CONFIG.MAX_SPLITS)
+    num_warps = CONFIG.num_warps or (8 if block_m * triton.next_power_of_2(head_dim) >= 64 * 128 else 4)
+    return block_m, rows, block_n, max(1, splits), num_warps
+
+
 def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          token_slots: torch.Tensor, positions: torch.Tensor, scale: float, *,
-                         block_m: int | None = None, block_n: int | None = None,
-                         num_warps: int | None = None) -> torch.Tensor:
+                         row_width: int | None = None, block_m: int | None = None, block_n: int | None = None,
+                         num_warps: int | None = None, num_splits: int | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Token t attends keys 0..positions[t] (inclusive) of slot token_slots[t].
 
     q: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks); block_tables:
     [S, W] int64; token_slots, positions: [T] int64.
-    Returns contiguous [T, Hq, D] in q's dtype. `block_m`/`block_n`/`num_warps` override `launch_shape` (tests use
-    them to make blocks straddle requests on tiny shapes; benchmarks to time other tiles).
+    Returns contiguous [T, Hq, D] in q's dtype (`out` when given). row_width: the tokens are a fused step's
+    decode/verify rows of that many tokens each (rows_launch_shape: a program per row, keys split); else prefill
+    blocks (launch_shape). `block_m`/`block_n`/`num_warps`/`num_splits` override those (tests use them to make
+    blocks straddle requests on tiny shapes; benchmarks to time other tiles).
     """
     T, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape
@@ -120,21 +163,44 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     assert block_tables.stride(-1) == 1 and BS & (BS - 1) == 0, "block size must be a power of two"
     assert token_slots.shape == (T,) and positions.shape == (T,)
     token_slots, positions = token_slots.contiguous(), positions.contiguous()
-    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    assert out.shape == (T, Hq, D) and out.is_contiguous()
     if T == 0:
         return out
     G = Hq // Hkv
-    default_m, default_n, default_warps = launch_shape(T, G, Hkv, D, q.dtype, num_sms(q.device))
-    block_m, block_n, num_warps = block_m or default_m, block_n or default_n, num_warps or default_warps
-    _attend_packed_kernel[(triton.cdiv(T * G, block_m), Hkv)](
-        q, k_cache, v_cache, block_tables, token_slots, positions, out,
-        scale * LOG2E, T, R,
+    if row_width is not None:
+        default_m, rows, default_n, default_splits, default_warps = rows_launch_shape(
+            T, row_width, G, Hkv, D, R, num_sms(q.device))
+        block_m = block_m or default_m
+        rows = min(rows, block_m)
+    else:
+        default_m, default_n, default_warps = launch_shape(T, G, Hkv, D, q.dtype, num_sms(q.device))
+        default_splits, block_m = 1, block_m or default_m
+        rows = block_m
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
+    num_splits = num_splits or default_splits
+    direct = num_splits == 1
+    if direct:  # the kernel writes `out`; the partial buffers are not touched
+        o_part = lse = out
+    else:
+        o_part = torch.empty((T, Hq, num_splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((T, Hq, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(D)
+    _attend_packed_kernel[(triton.cdiv(T * G, rows), Hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, token_slots, positions, out, o_part, lse,
+        scale * LOG2E, T, R, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        BS=BS, G=G, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=block_m, BLOCK_N=block_n,
+        BS=BS, G=G, HQ=Hq, D=D, BLOCK_D=block_d, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=2,
     )
+    if not direct:
+        _combine_kernel[(T * Hq,)](
+            o_part, lse, out, num_splits, D=D, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if num_splits * block_d > 2048 else 2,
+        )
     return out

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend, attend_packed, triton_op, write_kv
+from .attention import DecodeRows, attend, attend_packed, triton_op, write_kv
 from .kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM, KVCache
 
 ARCHITECTURES = {
@@ -276,7 +276,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, rope_cache, k_cache, v_cache, block_tables, slots, positions, packed: bool = False,
-                decode_rows: int = 0):
+                rows: DecodeRows | None = None):
         # x: [N = B*q, H]; rope_cache: [P, D] fp32; k_cache, v_cache: [NB, BS, Hkv, D]; block_tables: [S, W];
         # slots: [B]; positions: [B, q].
         # packed: N tokens of several requests back to back, slots [N] and positions [N, 1] per token
@@ -291,7 +291,7 @@ class Attention(nn.Module):
                           positions)
         if packed:
             out = attend_packed(q, k_cache, v_cache, block_tables, slots, positions[:, 0], self.scale,
-                                decode_rows)  # [N, Hq, D]
+                                rows)  # [N, Hq, D]
         else:
             out = attend(q.view(B, T, self.num_heads, D), k_cache, v_cache, block_tables, slots, positions,
                          self.scale)  # [B, q, Hq, D]
@@ -321,10 +321,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(self, x, residual, rope_cache, k_cache, v_cache, block_tables, slots, positions,
-                packed: bool = False, decode_rows: int = 0):
+                packed: bool = False, rows: DecodeRows | None = None):
         # x: [N, H] this layer's input delta; residual: [N, H] the stream before it (None at layer 0)
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope_cache, k_cache, v_cache, block_tables, slots, positions, packed, decode_rows)
+        x = self.self_attn(x, rope_cache, k_cache, v_cache, block_tables, slots, positions, packed, rows)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -362,17 +362,17 @@ class Transformer(nn.Module):
         return x.view(B, T, -1)
 
     def forward_packed(self, token_ids: torch.Tensor, cache: KVCache, token_slots: torch.Tensor,
-                       offsets: torch.Tensor, decode_rows: int = 0) -> torch.Tensor:
+                       offsets: torch.Tensor, rows: DecodeRows | None = None) -> torch.Tensor:
         """Several requests' tokens back to back, no padding: token_ids, token_slots, offsets [T] int64 ->
         hidden [T, H]. Token t goes to position cache.lengths[token_slots[t]] + offsets[t] of its slot and sees
         that slot's keys up to there, so a request may continue a slot that already holds tokens (a later
         chunk of its prompt, a drafter catching up). Like `forward`, it writes K/V but never advances lengths.
-        decode_rows: how many tokens at the front are a fused step's decode/verify rows (attention.attend_packed)."""
+        rows: the tokens at the front that are a fused step's decode/verify rows (attention.attend_packed)."""
         positions = (cache.lengths[token_slots] + offsets)[:, None]  # [T, 1]: one query per "row"
         x, residual = self.embed(token_ids), None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, self.rope_cache, cache.k[i], cache.v[i], cache.block_tables,
-                                token_slots, positions, packed=True, decode_rows=decode_rows)
+                                token_slots, positions, packed=True, rows=rows)
         x, _ = self.norm(x, residual)
         return x
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .attention import DecodeRows
 from .kv_cache import BlocksExhaustedError, TableEdits
 from .runner import ModelRunner, to_device
 
@@ -231,7 +232,7 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_device(torch.stack([slots, num_tokens]))
             super().rollback(slots, num_tokens)
 
-    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None) -> None:
         """As ModelRunner's, without fused steps' graphs: a fused step here is its two calls."""
         if not self.use_graphs:
             return

@@ -18,7 +18,8 @@ slot: run eagerly, such a forward is bound by the host launching ~10 kernels per
 device time. Larger launches amortise that and stay eager.
 
 A fused step (`step_with_chunks`) is one packed launch of a decode/verify step's rows and prompt chunks; its
-graphs are keyed by token count and by the rows' token count, whose attention takes small blocks.
+graphs are keyed by token count and by the rows' token count and width, whose attention runs a program per row
+with the keys split, as a decode step's does.
 
 The padded path (packed_prefill=False) pads each list to the longest and graphs per (rows, padded length);
 it stays for comparison.
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import triton_op
+from .attention import DecodeRows, triton_op
 from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache, TableEdits
 from .model import Transformer
 
@@ -168,8 +169,8 @@ class ModelRunner:
         graphs_packed = self.use_graphs and triton_op("attention_packed_triton", "attend_packed_triton") is not None
         self.packed_buckets = [n for n in PACKED_GRAPH_TOKENS if n <= max_prefill_tokens] if graphs_packed else []
         self._packed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict]] = {}
-        # fused steps' launches: (token bucket, row bucket) -> graph
-        self._fused_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict]] = {}
+        # fused steps' launches: (token bucket, rows up to their bucket) -> graph
+        self._fused_graphs: dict[tuple[int, DecodeRows], tuple[torch.cuda.CUDAGraph, dict]] = {}
         self._pool = None
 
     # ---- model calls -------------------------------------------------------------------------
@@ -234,20 +235,22 @@ class ModelRunner:
         return graph
 
     @torch.inference_mode()
-    def capture_all(self, qs: tuple[int, ...], fused_rows: int = 0) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None) -> None:
         """Capture every prefill shape and every bucket for each q up front (largest first, so the shared
-        pool is sized once). fused_rows: the most row tokens a fused step holds (step_with_chunks; 0: none will
-        run), whose launches' graphs are captured too."""
+        pool is sized once). fused: the most row tokens a fused step holds and its rows' width (step_with_chunks;
+        None: none will run), whose launches' graphs are captured too."""
         if not self.use_graphs:
             return
         if self.packed_prefill:
             for tokens in reversed(self.packed_buckets):
                 if tokens not in self._packed_graphs:
                     self._packed_graphs[tokens] = self._capture_packed(tokens)
-                for rows in sorted({self._row_bucket(r, tokens) for r in PACKED_GRAPH_TOKENS if r <= fused_rows}
-                                   | ({self._row_bucket(fused_rows, tokens)} if fused_rows else set())):
-                    if (tokens, rows) not in self._fused_graphs:
-                        self._fused_graphs[tokens, rows] = self._capture_packed(tokens, rows)
+                most = fused.tokens if fused is not None else 0
+                for row_tokens in sorted({self._row_bucket(r, tokens) for r in PACKED_GRAPH_TOKENS if r <= most}
+                                         | ({self._row_bucket(most, tokens)} if most else set())):
+                    key = (tokens, DecodeRows(row_tokens, fused.width))
+                    if key not in self._fused_graphs:
+                        self._fused_graphs[key] = self._capture_packed(*key)
             self._warm_eager_packed()
         else:
             for shape in sorted(self.prefill_shapes, key=lambda s: s[0] * s[1], reverse=True):
@@ -302,11 +305,11 @@ class ModelRunner:
                                           to_device(np.diff(launch.cu_seqlens), self.device))
         return out
 
-    def _packed_hidden(self, launch: PackedLaunch, fill=None, decode_rows: int = 0) -> torch.Tensor:
+    def _packed_hidden(self, launch: PackedLaunch, fill=None, rows: DecodeRows | None = None) -> torch.Tensor:
         """Hidden states [>= T, H] of one launch: a graph's buffer when T fits a bucket (use it before the
         next replay), else an eager forward of exactly T tokens. fill(packed [3, >= T] on the device), when
         given, writes the columns whose values only the device holds (a fused step's verify rows) before the run;
-        decode_rows: how many tokens at the front those rows hold (graphed: up to the next row bucket)."""
+        rows: the tokens at the front those rows hold and their width (graphed: up to the next row bucket)."""
         tokens = launch.num_tokens
         host = np.stack([launch.token_ids, launch.token_slots, launch.offsets])  # [3, T]: one copy
         bucket = next((n for n in self.packed_buckets if n >= tokens), None)
@@ -314,10 +317,10 @@ class ModelRunner:
             packed = to_device(host, self.device)
             if fill is not None:
                 fill(packed)
-            return self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], decode_rows)
+            return self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], rows)
         graphs, key = self._packed_graphs, bucket
-        if decode_rows:   # the rows' attention takes small blocks up to a static count (attention.attend_packed)
-            graphs, key = self._fused_graphs, (bucket, self._row_bucket(decode_rows, bucket))
+        if rows is not None:   # the rows' attention is laid out for a static count of them (attention.attend_packed)
+            graphs, key = self._fused_graphs, (bucket, DecodeRows(self._row_bucket(rows.tokens, bucket), rows.width))
         if key not in graphs:
             graphs[key] = self._capture_packed(*((key,) if isinstance(key, int) else key))
         graph, bufs = graphs[key]
@@ -331,19 +334,18 @@ class ModelRunner:
         graph.replay()
         return bufs["hidden"]
 
-    def _capture_packed(self, tokens: int, decode_rows: int = 0):
+    def _capture_packed(self, tokens: int, rows: DecodeRows | None = None):
         packed = torch.zeros((3, tokens), dtype=torch.int64, device=self.device)
         packed[1] = self.scratch_slot
         bufs = {"packed": packed}
         # the graph ends at the hidden states: the last tokens' logits depend on where the requests end
-        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2],  # noqa: E731
-                                                    decode_rows)
+        forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], rows)  # noqa: E731
         return self._graph(bufs, forward, output="hidden"), bufs
 
     @staticmethod
     def _row_bucket(rows: int, bucket: int) -> int:
         """A fused graph's static count of row tokens: the next token bucket up from `rows`, within `bucket` (chunk
-        tokens below it take the rows' small blocks, which is correct, only slower)."""
+        tokens below it take the rows' programs, which is correct, only slower)."""
         return min(next((n for n in PACKED_GRAPH_TOKENS if n >= rows), bucket), bucket)
 
     # ---- padded path ---------------------------------------------------------------------------
@@ -459,7 +461,7 @@ class ModelRunner:
             packed[0, :rows] = input_ids.reshape(-1)
             packed[1, :rows] = slots[:, None].expand(batch, q).reshape(-1)
 
-        hidden = self._packed_hidden(launch, fill, decode_rows=rows)   # [>= rows + chunk tokens, H]
+        hidden = self._packed_hidden(launch, fill, DecodeRows(rows, q))   # [>= rows + chunk tokens, H]
         # every row token's logits, and each chunk's last token's, in one head call
         wanted = np.concatenate([np.arange(rows, dtype=np.int64), launch.cu_seqlens[1:] - 1])
         logits = self.model.compute_logits(hidden[to_device(wanted, self.device)])[..., :self.vocab]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import EngineConfig
+from ..engine.attention import DecodeRows
 from ..engine.engine import ACTIVATION_MARGIN_BYTES, activation_bytes, default_device, pool_tokens
 from ..engine.kv_cache import HEADROOM, CacheSizeError, TableEdits
 from ..engine.loader import check_pair, load_model
@@ -261,23 +262,24 @@ class _Worker:
         """The collective channel's link, if it is the one of that drafter generation."""
         return self.link if self.link is not None and self.link.generation == generation else None
 
-    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int, fused_rows: int = 0) -> ModelRunner:
+    def _runner(self, model, step_widths: tuple[int, ...], num_blocks: int,
+                fused: DecodeRows | None = None) -> ModelRunner:
         """`model` on this device with a pool of `num_blocks` KV blocks (handed out by the scheduler); on CUDA its
         graphs for every batch bucket and step width are captured now (and those of fused steps of up to
-        `fused_rows` row tokens), so the first requests do not pay for captures (and the compiles inside them)."""
+        `fused.tokens` row tokens), so the first requests do not pay for captures (and the compiles inside them)."""
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                              self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill,
                              block_size=self.config.block_size, num_blocks=num_blocks)
-        runner.capture_all(step_widths, fused_rows)
+        runner.capture_all(step_widths, fused)
         return runner
 
-    def _fused_rows(self) -> int:
-        """The most row tokens a fused step of the target holds: every running request's verify, within the
-        budget (fused launches never exceed it); 0 when chunks do not ride verifies."""
+    def _fused_rows(self) -> DecodeRows | None:
+        """The most row tokens a fused step of the target holds (every running request's verify, within the
+        budget: fused launches never exceed it) and a verify's width; None when chunks do not ride verifies."""
         cfg = self.config
         if not (cfg.fused_prefill and cfg.packed_prefill and cfg.prefill_chunk_tokens):
-            return 0
-        return min(cfg.max_running * (cfg.k + 1), cfg.prefill_chunk_tokens)
+            return None
+        return DecodeRows(min(cfg.max_running * (cfg.k + 1), cfg.prefill_chunk_tokens), cfg.k + 1)
 
     def _load_target(self, group: Rendezvous | None, rank: int):
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
