@@ -3,6 +3,7 @@ the slots it pads with are never a request's."""
 import pytest
 import torch
 
+from minedraft_ray.engine.attention import DecodeRows
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.runner import ModelRunner
 
@@ -58,8 +59,8 @@ def test_cuda_graphed_prefill_matches_eager(tiny_llama, lengths, shape, bucket, 
 def test_cuda_graphed_fused_step_matches_separate_launches(tiny_llama, q, chunk_lengths):
     """A verify's rows and prompt chunks in one launch (step_with_chunks), graphed by token count and row count
     (or eager past the largest bucket), give the logits and lengths of the separate graphed launches: the ids and
-    slots of the rows are written on the device into the graph's input, and the rows' attention in small blocks
-    and the chunks' in prefill-sized ones cover every token."""
+    slots of the rows are written on the device into the graph's input, and the rows' attention (a row per program,
+    keys split) and the chunks' (prefill-sized blocks) cover every token."""
     fused, separate = _runners(tiny_llama)
     gen = torch.Generator().manual_seed(q)
     contexts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 57, 130)]
@@ -70,10 +71,10 @@ def test_cuda_graphed_fused_step_matches_separate_launches(tiny_llama, q, chunk_
         runner.prefill([0, 2, 1], contexts)
         runner.prefill([5], [list(range(3, 20))])   # an earlier request's length: the chunk restarts the slot
     before = set(fused._fused_graphs)
-    # the smallest token bucket that holds the rows and the chunks (with the rows' own bucket: their attention
-    # takes small blocks up to it), or eager past the largest
+    # the smallest token bucket that holds the rows and the chunks (with the rows' own bucket and width: their
+    # attention takes a program per row up to it), or eager past the largest
     bucket = next((n for n in fused.packed_buckets if n >= 3 * q + sum(chunk_lengths)), None)
-    key = (bucket, min(16, bucket)) if bucket else None   # 3 rows of q <= 4 tokens: the first row bucket
+    key = (bucket, DecodeRows(min(16, bucket), q)) if bucket else None   # 3 rows of q <= 4 tokens: the first bucket
     got, got_chunks = fused.step_with_chunks(slots, ids, chunk_slots, [0] * len(chunks), chunks)
     got, got_chunks = got.clone(), got_chunks.clone()
     want_chunks = separate.prefill_chunks(chunk_slots, [0] * len(chunks), chunks).clone()
