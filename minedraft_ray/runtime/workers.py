@@ -275,11 +275,13 @@ class _Worker:
 
     def _fused_rows(self) -> DecodeRows | None:
         """The most row tokens a fused step of the target holds (every running request's verify, within the
-        budget: fused launches never exceed it) and a verify's width; None when chunks do not ride verifies."""
+        budget: fused launches never exceed it) and a verify's width (ar: one token, no drafts); None when chunks do
+        not ride verifies."""
         cfg = self.config
         if not (cfg.fused_prefill and cfg.packed_prefill and cfg.prefill_chunk_tokens):
             return None
-        return DecodeRows(min(cfg.max_running * (cfg.k + 1), cfg.prefill_chunk_tokens), cfg.k + 1)
+        width = cfg.k + 1 if cfg.uses_drafter else 1
+        return DecodeRows(min(cfg.max_running * width, cfg.prefill_chunk_tokens), width)
 
     def _load_target(self, group: Rendezvous | None, rank: int):
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
