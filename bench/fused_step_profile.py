@@ -1,0 +1,267 @@
+"""A fused step against a decode step: what a prompt chunk riding in the launch costs, and where the time goes.
+
+At the 8B shape (random weights, bf16, graphs on), rows of one token each (ar) on slots whose contexts follow the
+real-traffic prompts (lognormal, median 300, P99 3000 tokens, seed 0), time
+- decode: ModelRunner.step of the rows (chunk_tokens 0);
+- fused: ModelRunner.step_with_chunks of the same rows and one prompt chunk of C tokens continuing a prompt at
+  `--chunk-start` (the middle of a long prompt: the chunk attends its earlier tokens too);
+for every batch in --batches and C in --chunks; over_decode = fused / decode of the same rows, the factor by which
+a running request's gap grows while the chunk rides (issue 24's target: at most 2).
+- rows_attention: the rows' attention of one layer alone, three ways on the same tensors: `decode` (a decode step's
+  kernel, attention_triton), `rows` (the packed kernel's rows mode, what a fused launch runs for them) and
+  `blocks16` (the packed kernel in 16-row blocks without a key split: what fused launches ran before rows mode);
+- plan_*: the rows' attention programs and the longest program's key tiles (64 keys each) per layout, from the
+  launch shapes alone (no device): a program walks its tiles in turn, so the longest one bounds the kernel;
+- kernels: per-kernel device time (torch.profiler, graph replays included) of one decode and one fused step at
+  --profile-batch rows and the largest chunk, in the md's second and third tables.
+gemm_tflop: the launch's linear-layer FLOPs (tokens after graph padding x 2 x weights); with ms it gives the rate.
+
+    python -m bench.fused_step_profile                 # one H200, about two minutes
+    python -m bench.fused_step_profile --smoke         # CPU: tiny shape, fp32, seconds
+The GPU machine gets the tree without .git: pass GIT_SHA=<sha> in the environment to record it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from bench.common import (command_line, device_name, git_sha, markdown_table, say, synchronize, time_steps,
+                          versions, write_results)
+from minedraft_ray.engine.loader import load_model
+from minedraft_ray.engine.presets import resolve_model
+from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner
+
+NAME = "fused_step_profile"
+COLUMNS = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
+           "over_decode", "gemm_tflop", "programs", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
+           "us", "share", "shape", "dtype", "git_sha", "command", "device"]
+TABLE = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "over_decode",
+         "gemm_tflop", "programs", "longest_tiles"]
+KERNEL_COLUMNS = ["step", "kernel", "calls", "us", "share"]
+BLOCK_N = 64   # the key tile both layouts walk
+
+
+def contexts(batch: int, max_context: int, seed: int = 0) -> list[int]:
+    """Each row's cache length: a real-traffic prompt (lognormal, median 300, P99 3000) plus some of its output."""
+    rng = np.random.default_rng(seed)
+    sigma = math.log(3000 / 300) / 2.3263
+    prompts = np.exp(rng.normal(math.log(300), sigma, batch))
+    return [int(min(max(p, 1) + o, max_context)) for p, o in zip(prompts, rng.integers(0, 256, batch))]
+
+
+def gemm_tflop(cfg, tokens: int) -> float:
+    """Linear-layer FLOPs of a launch of `tokens` tokens (the lm_head left out: a fused launch runs it on its rows
+    and the chunks' last tokens only)."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = H * (cfg.num_heads + 2 * cfg.num_kv_heads) * D + cfg.num_heads * D * H + 3 * H * I
+    return 2 * tokens * cfg.num_layers * per_layer / 1e12
+
+
+def graph_tokens(runner: ModelRunner, tokens: int) -> int:
+    """The token count a packed launch runs at: its graph bucket, or itself when eager."""
+    return next((n for n in runner.packed_buckets if n >= tokens), tokens)
+
+
+def rows_plan(lengths: list[int], groups: int, kv_heads: int, head_dim: int, max_keys: int, sm_count: int,
+              layout: str) -> tuple[int, int]:
+    """(programs, key tiles of the longest program) of the rows' attention, one token per row: `rows` as
+    attend_packed_triton's rows mode launches it, `blocks16` as 16-row blocks with no key split."""
+    from minedraft_ray.engine.attention_packed_triton import rows_launch_shape
+
+    if layout == "rows":
+        _, rows, block_n, splits, _ = rows_launch_shape(len(lengths), 1, groups, kv_heads, head_dim, max_keys,
+                                                        sm_count)
+    else:
+        rows, block_n, splits = 16, BLOCK_N, 1
+    longest = 0
+    for first in range(0, len(lengths) * groups, rows):
+        slots = sorted({r // groups for r in range(first, min(first + rows, len(lengths) * groups))})
+        for split in range(splits):
+            tiles = 0
+            for s in slots:   # one pass per slot, in turn, over this split's piece of its keys
+                live = lengths[s] + 1
+                piece = -(-(-(-live // splits)) // block_n) * block_n
+                start, end = split * piece, min(split * piece + piece, live)
+                tiles += max(0, -(-(end - start) // block_n))
+            longest = max(longest, tiles)
+    return -(-len(lengths) * groups // rows) * kv_heads * splits, longest
+
+
+@torch.inference_mode()
+def time_steps_of(runner: ModelRunner, batch: int, chunks: list[int], chunk_start: int, reps: int, warmup: int,
+                  emit) -> None:
+    device, cfg = runner.device, runner.cfg
+    lengths = contexts(batch, runner.max_len - 8)
+    slots = torch.arange(batch, device=device)
+    ids = torch.randint(16, cfg.vocab_size, (batch, 1), device=device)
+    chunk_slot = batch   # the rows' slots are 0..batch-1
+    prompt = torch.randint(16, cfg.vocab_size, (chunk_start + max(chunks),)).tolist()
+    runner.set_lengths(list(range(batch)), lengths)
+    common = {"batch": batch, "mean_context": statistics.fmean(lengths), "chunk_start": chunk_start}
+
+    def reset():
+        runner.set_lengths(list(range(batch)), lengths)
+
+    decode_ms = None
+    for chunk in chunks:
+        if chunk == 0:
+            step = lambda: runner.step(slots, ids)   # noqa: E731
+        else:
+            tokens = prompt[chunk_start:chunk_start + chunk]
+            step = lambda: runner.step_with_chunks(slots, ids, [chunk_slot], [chunk_start], [tokens])   # noqa: E731
+        times = sorted(time_steps(step, device, warmup, reps, f"b={batch} chunk={chunk}", before=reset))
+        ms = times[len(times) // 2]
+        decode_ms = ms if chunk == 0 else decode_ms
+        launch = batch + chunk
+        padded = graph_tokens(runner, launch) if chunk else launch
+        emit({**common, "part": "step", "variant": "decode" if chunk == 0 else "fused", "chunk_tokens": chunk,
+              "launch_tokens": launch, "graph_tokens": padded, "ms": ms, "ms_p90": times[int(len(times) * 0.9)],
+              "over_decode": ms / decode_ms if decode_ms else None, "gemm_tflop": gemm_tflop(cfg, padded)})
+
+
+@torch.inference_mode()
+def time_rows_attention(runner: ModelRunner, batch: int, reps: int, warmup: int, emit) -> None:
+    """One layer's attention of `batch` one-token rows, by the decode kernel and by the packed kernel's two row
+    layouts (GPU only: the kernels are Triton's), and the device-free plan of each packed layout."""
+    device, cfg, cache = runner.device, runner.cfg, runner.cache
+    lengths = contexts(batch, runner.max_len - 8)
+    groups, kv_heads = cfg.num_heads // cfg.num_kv_heads, runner.model.num_kv_heads
+    max_keys = cache.block_tables.shape[1] * cache.block_size
+    from minedraft_ray.engine.attention_triton import num_sms
+    common = {"part": "rows_attention", "batch": batch, "mean_context": statistics.fmean(lengths)}
+    for layout in ("rows", "blocks16"):
+        programs, longest = rows_plan(lengths, groups, kv_heads, cfg.head_dim, max_keys, num_sms(device), layout)
+        emit({**common, "part": f"plan_{layout}", "variant": layout, "programs": programs, "longest_tiles": longest})
+    if device.type != "cuda":
+        return
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton
+    from minedraft_ray.engine.attention_triton import attend_triton
+
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, dtype=cache.k[0].dtype, device=device)
+    slots = torch.arange(batch, device=device)
+    positions = torch.tensor(lengths, device=device)
+    k, v, tables, scale = cache.k[0], cache.v[0], cache.block_tables, cfg.head_dim ** -0.5
+    variants = {
+        "decode": lambda: attend_triton(q[:, None], k, v, tables, slots, positions[:, None], scale),
+        "rows": lambda: attend_packed_triton(q, k, v, tables, slots, positions, scale, row_width=1),
+        "blocks16": lambda: attend_packed_triton(q, k, v, tables, slots, positions, scale, block_m=16, block_n=64,
+                                                 num_warps=8),
+    }
+    for name, run in variants.items():
+        times = sorted(time_steps(run, device, warmup, reps, f"rows attention {name} b={batch}"))
+        emit({**common, "variant": name, "ms": times[len(times) // 2], "ms_p90": times[int(len(times) * 0.9)]})
+
+
+@torch.inference_mode()
+def kernel_table(runner: ModelRunner, batch: int, chunk: int, chunk_start: int, steps: int) -> dict[str, list[dict]]:
+    """Per-kernel device time of one decode and one fused step (mean over `steps` of each), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device, cfg = runner.device, runner.cfg
+    lengths = contexts(batch, runner.max_len - 8)
+    slots = torch.arange(batch, device=device)
+    ids = torch.randint(16, cfg.vocab_size, (batch, 1), device=device)
+    tokens = torch.randint(16, cfg.vocab_size, (chunk,)).tolist()
+    calls = {"decode": lambda: runner.step(slots, ids),
+             "fused": lambda: runner.step_with_chunks(slots, ids, [batch], [chunk_start], [tokens])}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    tables = {}
+    for name, call in calls.items():
+        runner.set_lengths(list(range(batch)), lengths)
+        call()   # its graph is captured (and compiled) outside the profile
+        synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                runner.set_lengths(list(range(batch)), lengths)
+                call()
+            synchronize(device)
+        rows = []
+        for event in prof.key_averages():   # on a GPU its kernels (graph replays' too), on a CPU its ops
+            on_device = event.device_type == torch.autograd.DeviceType.CUDA
+            us = (event.self_device_time_total if on_device else event.self_cpu_time_total) / steps
+            if us > 0 and on_device == (device.type == "cuda"):
+                rows.append({"step": name, "kernel": event.key[:90], "calls": event.count / steps, "us": us})
+        total = sum(r["us"] for r in rows) or 1.0
+        rows = sorted(rows, key=lambda r: -r["us"])
+        tables[name] = [{**r, "share": r["us"] / total} for r in rows]
+    return tables
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="random:llama-8b", help="the shape (random weights)")
+    p.add_argument("--batches", default="16,32,64")
+    p.add_argument("--chunks", default="0,64,128,256,512", help="chunk tokens per fused step (0: the decode step)")
+    p.add_argument("--chunk-start", type=int, default=1024, help="prompt tokens the chunk's slot already holds")
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=None, help="default bench/results; smoke: /tmp/fused_step_profile_smoke")
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny shape, fp32")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.target, args.batches, args.chunks, args.chunk_start = "random:tiny", "2,4", "0,8,16", 24
+        args.max_len, args.profile_batch, args.warmup, args.reps = 128, 4, 1, 3
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.chunks = sorted({int(c) for c in args.chunks.split(",")} | {0})
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model = load_model(resolve_model(args.target), device, dtype)
+    slots = max(args.batches) + 1   # the rows' slots and the chunk's
+    runner = ModelRunner(model, device, num_slots=slots, max_len=args.max_len, max_batch=max(args.batches),
+                         cuda_graphs=True)
+    context = {"shape": args.target, "dtype": str(dtype).removeprefix("torch."), "git_sha": git_sha(),
+               "command": command_line("bench.fused_step_profile", argv), "device": device_name(device)}
+    out = Path(args.out or ("/tmp/fused_step_profile_smoke" if args.smoke else "bench/results"))
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append({**context, **row})
+        say(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                     if v is not None))
+
+    for batch in args.batches:
+        time_steps_of(runner, batch, args.chunks, args.chunk_start, args.reps, args.warmup, emit)
+        time_rows_attention(runner, batch, args.reps, args.warmup, emit)
+    kernels = kernel_table(runner, args.profile_batch, max(args.chunks), args.chunk_start, steps=5)
+    notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed buckets "
+             f"{', '.join(map(str, PACKED_GRAPH_TOKENS))} tokens); rows of one token (ar) on slots whose contexts are "
+             "real-traffic prompts (lognormal median 300, P99 3000, seed 0) plus 0..255 output tokens; the chunk "
+             f"continues a prompt at {args.chunk_start} tokens",
+             "ms: median of the timed steps (CUDA events); over_decode: fused ms / decode ms at the same rows",
+             "rows_attention: one layer's attention of the rows alone; plan_*: programs and the longest program's "
+             "64-key tiles from the launch shapes (no device)",
+             versions()]
+    path = write_results(rows, out, NAME, COLUMNS, "Fused step vs decode step: the chunk's cost and its kernels",
+                         context["command"], context["device"], notes, TABLE)
+    # the kernels go into the parquet with the rest, and into tables of their own in the md
+    kernel_rows = [{**context, "part": "kernels", "variant": r["step"], "batch": args.profile_batch,
+                    "chunk_tokens": max(args.chunks) if r["step"] == "fused" else 0, **r}
+                   for table in kernels.values() for r in table]
+    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows + kernel_rows]),
+                   out / f"{NAME}.parquet")
+    sections = [f"\n## Kernels of one {name} step (b={args.profile_batch}"
+                + (f", chunk {max(args.chunks)} tokens" if name == "fused" else "") + ", mean of 5 steps)\n\n"
+                + markdown_table(table[:25], KERNEL_COLUMNS) + "\n" for name, table in kernels.items()]
+    path.write_text(path.read_text() + "".join(sections))
+    say(f"wrote {out / NAME}.{{parquet,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
