@@ -122,3 +122,19 @@ def test_verify_with_chunks_samples_what_prefill_then_verify_sample(model, tempe
         for a, b in zip(fused_row, separate_row):
             assert a["token_id"] == b["token_id"]
             assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+def test_fused_graphs_captured_for_each_modes_rows():
+    """The target captures its fused graphs for the rows its verifies hold: ar's are one token each (no drafts), a
+    drafter's modes k + 1; all running requests' rows, within the budget; none when chunks do not ride verifies."""
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.engine.attention import DecodeRows
+    from minedraft_ray.runtime.workers import fused_rows
+
+    def rows(mode, **kw):
+        return fused_rows(EngineConfig(**{"mode": mode, "max_batch": 32, "k": 3, "prefill_chunk_tokens": 512, **kw}))
+    assert rows("ar") == DecodeRows(32, 1)
+    assert rows("sd") == DecodeRows(128, 4)
+    assert rows("psd") == DecodeRows(256, 4)            # two batches of 32 in flight
+    assert rows("psd", prefill_chunk_tokens=64) == DecodeRows(64, 4)
+    assert rows("ar", fused_prefill=False) is None

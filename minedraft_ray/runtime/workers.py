@@ -45,6 +45,16 @@ def pick_dtype(config: EngineConfig, device: torch.device) -> torch.dtype | None
     return torch.float32 if device.type == "cpu" else None  # None: the checkpoint's dtype
 
 
+def fused_rows(config: EngineConfig) -> DecodeRows | None:
+    """The most row tokens a fused step of the target holds (every running request's verify, within the budget:
+    fused launches never exceed it) and a verify's width (ar: one token, no drafts), whose graphs the target
+    captures at start; None when chunks do not ride verifies."""
+    if not (config.fused_prefill and config.packed_prefill and config.prefill_chunk_tokens):
+        return None
+    width = config.k + 1 if config.uses_drafter else 1
+    return DecodeRows(min(config.max_running * width, config.prefill_chunk_tokens), width)
+
+
 class StepTimer:
     """Device time of a block of work: CUDA events on a GPU, wall time on a CPU."""
 
@@ -273,16 +283,6 @@ class _Worker:
         runner.capture_all(step_widths, fused)
         return runner
 
-    def _fused_rows(self) -> DecodeRows | None:
-        """The most row tokens a fused step of the target holds (every running request's verify, within the
-        budget: fused launches never exceed it) and a verify's width (ar: one token, no drafts); None when chunks do
-        not ride verifies."""
-        cfg = self.config
-        if not (cfg.fused_prefill and cfg.packed_prefill and cfg.prefill_chunk_tokens):
-            return None
-        width = cfg.k + 1 if cfg.uses_drafter else 1
-        return DecodeRows(min(cfg.max_running * width, cfg.prefill_chunk_tokens), width)
-
     def _load_target(self, group: Rendezvous | None, rank: int):
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
         if self.config.tp == 1:
@@ -295,7 +295,7 @@ class _Worker:
         """The target's runner (`_runner`), sharded at tp > 1: rank 0's calls drive every rank (its graph captures
         too); the others follow (TargetRank)."""
         if self.config.tp == 1:
-            return self._runner(model, step_widths, num_blocks, self._fused_rows())
+            return self._runner(model, step_widths, num_blocks, fused_rows(self.config))
         runner = ShardedRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                                tp=self.tp, cuda_graphs=self.config.cuda_graphs, vocab_limit=self.vocab_limit,
                                block_size=self.config.block_size, num_blocks=num_blocks)
