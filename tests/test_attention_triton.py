@@ -412,6 +412,35 @@ def test_cuda_packed_graph_replay_follows_new_requests():
     torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
 
 
+
+@cuda
+@pytest.mark.parametrize("width", [1, 4])
+def test_cuda_rows_mode_graph_replay_matches_reference(width):
+    """Rows mode on a GPU at 8B heads: 32 rows of `width` tokens over contexts up to 1000 keys (the keys split, then
+    combined), captured once and replayed over other slots and lengths, gives the reference's attention."""
+    from minedraft_ray.engine.attention import attend_packed_reference
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton, rows_launch_shape
+
+    gen = torch.Generator().manual_seed(width)
+    firsts = torch.randint(0, 1000 - width, (32,), generator=gen).tolist()
+    q, k_cache, v_cache, token_slots, positions = make_packed_case(
+        [(b, f, width) for b, f in enumerate(firsts)], groups=4, head_dim=128, dtype=torch.bfloat16, kv_heads=8,
+        rows=1024, num_slots=40, device="cuda")
+    k_cache.normal_(), v_cache.normal_()  # every slot live: the replay reads slots the capture did not
+    k_pool, v_pool, tables = paginate(k_cache, v_cache, 16)
+    assert rows_launch_shape(32 * width, width, 4, 8, 128, tables.shape[1] * 16, 132)[3] > 1   # keys split
+    attend_packed_triton(q, k_pool, v_pool, tables, token_slots, positions, 0.125, row_width=width)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend_packed_triton(q, k_pool, v_pool, tables, token_slots, positions, 0.125, row_width=width)
+    token_slots.copy_(token_slots.flip(0) + 8)
+    positions.copy_(torch.randint(0, 1024, positions.shape, generator=gen).cuda())
+    graph.replay()
+    ref = attend_packed_reference(q.float(), k_pool.float(), v_pool.float(), tables, token_slots, positions, 0.125)
+    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
 def test_packed_tiles_follow_the_launch():
     """128-row tiles once their programs alone fill the SMs; a short launch (a suffix over a cached prefix)
     takes 64-row tiles; wide heads and fp32 the small tiles whatever the launch."""
