@@ -83,3 +83,26 @@ def test_cuda_graphed_fused_step_matches_separate_launches(tiny_llama, q, chunk_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-4, atol=1e-4)
     assert fused.cache.lengths.tolist() == separate.cache.lengths.tolist()
+
+
+def test_cuda_fused_rows_of_an_uncaptured_width_take_a_captured_graph(tiny_llama):
+    """Graphs captured at start for verify rows of k + 1 = 4 tokens; a fused step of one-token rows (no drafts: the
+    drafter down) replays the graph of the same counts rather than capturing mid-serving, with the separate
+    launches' logits."""
+    fused, separate = _runners(tiny_llama)
+    fused.capture_all((4, 1), DecodeRows(16, 4))
+    before = set(fused._fused_graphs)
+    assert (64, DecodeRows(16, 4)) in before
+    gen = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 57, 130)]
+    chunk = torch.randint(3, 500, (40,), generator=gen).tolist()
+    ids = torch.randint(3, 500, (3, 1), generator=gen).cuda()
+    slots = torch.tensor([0, 2, 1], device="cuda")
+    for runner in (fused, separate):
+        runner.prefill([0, 2, 1], contexts)
+    got, got_chunks = (t.clone() for t in fused.step_with_chunks(slots, ids, [5], [0], [chunk]))
+    want_chunks = separate.prefill_chunks([5], [0], [chunk]).clone()
+    want = separate.step(slots, ids).clone()
+    assert set(fused._fused_graphs) == before
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-4, atol=1e-4)

@@ -321,6 +321,10 @@ class ModelRunner:
         graphs, key = self._packed_graphs, bucket
         if rows is not None:   # the rows' attention is laid out for a static count of them (attention.attend_packed)
             graphs, key = self._fused_graphs, (bucket, DecodeRows(self._row_bucket(rows.tokens, bucket), rows.width))
+            # rows of a width not captured at start (a verify without drafts while the drafter is down) take a
+            # graph of the same counts at another width, correct for any rows, rather than a capture mid-serving
+            key = key if key in graphs else next((k for k in graphs if k[0] == bucket
+                                                  and k[1].tokens == key[1].tokens), key)
         if key not in graphs:
             graphs[key] = self._capture_packed(*((key,) if isinstance(key, int) else key))
         graph, bufs = graphs[key]
