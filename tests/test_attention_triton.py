@@ -470,8 +470,7 @@ def test_packed_default_tiles_8b_heads(attend_packed_cpu, tiles):
 
 
 @interpreter_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("dtype, groups", [(torch.float32, 1), (torch.bfloat16, 4)])
 @pytest.mark.parametrize("width", [1, 3, 4])     # a program per token, or per row of several (3: rows straddle slots)
 @pytest.mark.parametrize("num_splits", [1, 3])   # 1: the kernel writes the output; 3: keys split, then combined
 def test_packed_rows_mode_matches_reference(attend_packed_cpu, dtype, groups, width, num_splits):
