@@ -31,6 +31,7 @@ is measured (serve/loop_lag.py, `minedraft_api_event_loop_lag_seconds` at /metri
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import hmac
 import json
@@ -488,6 +489,14 @@ class OpenAIServer:
         self.loop_lag.start()
         self.admitting = asyncio.Semaphore(ADMITTING_AT_ONCE)
 
+    @contextlib.asynccontextmanager
+    async def _admission(self):
+        """One of the ADMITTING_AT_ONCE admission slots, for parsing, tokenizing and submitting a request."""
+        if self.admitting.locked():
+            self.metrics.admission_waits.inc()
+        async with self.admitting:
+            yield
+
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
@@ -738,7 +747,7 @@ class OpenAIServer:
     async def completions(self, request: Request):
         self._authorize(request)
         body = await self._read_body(request)   # a slow client's body holds no admission slot
-        async with self.admitting:
+        async with self._admission():
             req: CompletionRequest = await self._off_loop(parse, CompletionRequest, body)
             req.check()
             self._check_model(req.model)
@@ -754,7 +763,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         self._authorize(request)
         body = await self._read_body(request)
-        async with self.admitting:
+        async with self._admission():
             req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, body)
             req.check()
             self._check_model(req.model)

@@ -26,7 +26,8 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
 
 The project's own series (`ray_minedraft_*`, docs/observability.md) stay where they are, on Ray's metrics
 export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored) and
-`minedraft_api_event_loop_lag_seconds` (serve/loop_lag.py).
+`minedraft_api_event_loop_lag_seconds` (serve/loop_lag.py) and `minedraft_api_admission_waits_total` (requests
+that waited for an admission slot).
 """
 from __future__ import annotations
 
@@ -120,6 +121,9 @@ class APIMetrics:
                                   "How late a short timer on the ingress replica's event loop fired (serve/loop_lag.py): "
                                   "the delay the loop added to every stream's chunks meanwhile",
                                   buckets=LAG_BUCKETS, registry=self.registry)
+        self.admission_waits = Counter("minedraft_api_admission_waits",
+                                       "Requests that waited for an admission slot (serve/app.py ADMITTING_AT_ONCE): "
+                                       "a burst admitted in slices", registry=self.registry)
 
     def request(self, prompt_tokens: int) -> "RequestTimer":
         return RequestTimer(self, prompt_tokens)
