@@ -31,8 +31,8 @@ def lag_between(before, after) -> str:
     delta = after.minus(before)
     if not delta.counts or delta.counts[-1] <= 0:
         return "–"
-    return (f"mean {delta.mean() * 1e3:.1f} p50 {delta.quantile(0.5) * 1e3:.1f} p99 {delta.quantile(0.99) * 1e3:.1f} ms "
-            f"({delta.counts[-1]:.0f} probes)")
+    return (f"mean {delta.mean() * 1e3:.1f} p50 {delta.quantile(0.5) * 1e3:.1f} "
+            f"p99 {delta.quantile(0.99) * 1e3:.1f} ms ({delta.counts[-1]:.0f} probes)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,8 +57,8 @@ TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workloa
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
                  "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
                  "ingress_gap_p50_ms", "ingress_gap_p99_ms", "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms",
-                 "engine_gap_p50_ms", "engine_gap_p99_ms", "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas",
-                 "ingress_cpus"]
+                 "engine_gap_p50_ms", "engine_gap_p99_ms", "engine_step_p99_ms", "prefill_step_share",
+                 "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------

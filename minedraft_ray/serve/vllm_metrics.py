@@ -118,8 +118,8 @@ class APIMetrics:
                                       "by endpoint and field name", labelnames=("endpoint", "field"),
                                       registry=self.registry)
         self.loop_lag = Histogram("minedraft_api_event_loop_lag_seconds",
-                                  "How late a short timer on the ingress replica's event loop fired (serve/loop_lag.py): "
-                                  "the delay the loop added to every stream's chunks meanwhile",
+                                  "How late a short timer on the ingress replica's event loop fired "
+                                  "(serve/loop_lag.py): the delay the loop added to every stream's chunks meanwhile",
                                   buckets=LAG_BUCKETS, registry=self.registry)
         self.admission_waits = Counter("minedraft_api_admission_waits",
                                        "Requests that waited for an admission slot (serve/app.py ADMITTING_AT_ONCE): "
