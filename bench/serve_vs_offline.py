@@ -46,7 +46,8 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "offline_ttft_p50_ms", "offline_ttft_p99_ms", "offline_engine_step_ms",
            "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p50_ms", "chunk_gap_steady_p99_ms",
-           "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
+           "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "ingress_loop_lag_p50_ms",
+           "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
            "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
            "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "chunks_per_request",
            "engine_step_ms", "stream_interval_ms",
@@ -55,9 +56,9 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
                  "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
-                 "ingress_gap_p50_ms", "ingress_gap_p99_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
-                 "engine_step_p99_ms", "prefill_step_share", "chunks_per_request", "engine_step_ms", "ingress_replicas",
-                 "ingress_cpus"]
+                 "ingress_gap_p50_ms", "ingress_gap_p99_ms", "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms",
+                 "engine_gap_p50_ms", "engine_gap_p99_ms", "engine_step_p99_ms", "prefill_step_share",
+                 "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------
@@ -191,19 +192,25 @@ def trace_stats(traces: list[Trace], start: float | None = None, steady_from: fl
 
 # ---- the hops: ingress (vLLM's histogram) and engine (its step records) --------------------------------
 ITL = "vllm:inter_token_latency_seconds"
+LOOP_LAG = "minedraft_api_event_loop_lag_seconds"   # the ingress replica's event-loop lag (serve/loop_lag.py)
 
 
 @dataclass
 class BucketCounts:
-    """One ingress replica's inter-token-latency histogram: cumulative counts by upper bound (s, the last +inf)."""
+    """One ingress replica's histogram (inter-token latency, loop lag): cumulative counts by upper bound (s, the last
+    +inf) and the sum of the observations (exact, unlike the buckets)."""
     bounds: list[float]
     counts: list[float]
+    total: float = 0.0
 
     def minus(self, other: "BucketCounts") -> "BucketCounts":
-        return BucketCounts(self.bounds, [a - b for a, b in zip(self.counts, other.counts)])
+        return BucketCounts(self.bounds, [a - b for a, b in zip(self.counts, other.counts)], self.total - other.total)
 
     def plus(self, other: "BucketCounts") -> "BucketCounts":
-        return BucketCounts(self.bounds, [a + b for a, b in zip(self.counts, other.counts)])
+        return BucketCounts(self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
+
+    def mean(self) -> float | None:
+        return self.total / self.counts[-1] if self.counts and self.counts[-1] > 0 else None
 
     def quantile(self, q: float) -> float | None:
         """As Prometheus' histogram_quantile: linear within the bucket the rank falls in (the highest finite bound
@@ -222,30 +229,33 @@ class BucketCounts:
         return lower
 
 
-def read_itl(text: str) -> tuple[float | None, BucketCounts | None]:
+def read_itl(text: str, name: str = ITL) -> tuple[float | None, BucketCounts | None]:
     """(the histogram's creation time, which tells ingress replicas apart; its buckets) from a /metrics text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    created, buckets = None, []
+    created, buckets, total = None, [], 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == f"{ITL}_created":
+            if sample.name == f"{name}_created":
                 created = sample.value
-            elif sample.name == f"{ITL}_bucket":
+            elif sample.name == f"{name}_bucket":
                 buckets.append((float(sample.labels["le"]), sample.value))
+            elif sample.name == f"{name}_sum":
+                total = sample.value
     buckets.sort()
-    return created, BucketCounts([b for b, _ in buckets], [c for _, c in buckets]) if buckets else None
+    return created, BucketCounts([b for b, _ in buckets], [c for _, c in buckets], total) if buckets else None
 
 
-def scrape_ingress(url: str, replicas: int, tries_per_replica: int = 10) -> dict[float, BucketCounts] | None:
-    """Every ingress replica's ITL histogram, by its creation time: Serve's proxy routes each /metrics scrape to one
-    replica, so scrape until each was seen (None when one never was)."""
+def scrape_ingress(url: str, replicas: int, tries_per_replica: int = 10,
+                   name: str = ITL) -> dict[float, BucketCounts] | None:
+    """Every ingress replica's histogram `name`, by its creation time: Serve's proxy routes each /metrics scrape to
+    one replica, so scrape until each was seen (None when one never was)."""
     import urllib.request
 
     seen: dict[float, BucketCounts] = {}
     for _ in range(replicas * tries_per_replica):
         with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-            created, hist = read_itl(r.read().decode())
+            created, hist = read_itl(r.read().decode(), name)
         if hist is None or (created is None and replicas > 1):   # no histogram, or no telling replicas apart
             return None
         seen[created] = hist
@@ -266,6 +276,21 @@ def ingress_gaps(before: dict | None, after: dict | None) -> dict:
     for q in (50, 99):
         value = delta.quantile(q / 100)
         out[f"ingress_gap_p{q}_ms"] = None if value is None else value * 1e3
+    return out
+
+
+def loop_lag(before: dict | None, after: dict | None) -> dict:
+    """The ingress replicas' event-loop lag between two scrapes: P50/P99 (bucket resolution) and the mean (exact),
+    over the replicas' observations together."""
+    out = {"ingress_loop_lag_p50_ms": None, "ingress_loop_lag_p99_ms": None, "ingress_loop_lag_mean_ms": None}
+    if not before or not after or before.keys() != after.keys():
+        return out
+    delta = None
+    for replica, hist in after.items():
+        part = hist.minus(before[replica])
+        delta = part if delta is None else delta.plus(part)
+    for key, value in (("p50", delta.quantile(0.5)), ("p99", delta.quantile(0.99)), ("mean", delta.mean())):
+        out[f"ingress_loop_lag_{key}_ms"] = None if value is None else value * 1e3
     return out
 
 
@@ -409,6 +434,7 @@ class HopProbe:
 
     def before(self) -> None:
         self.itl = scrape_ingress(self.url, self.ingress_replicas)
+        self.lag = scrape_ingress(self.url, self.ingress_replicas, name=LOOP_LAG)
         self.step = self.engine.info.remote().result()["steps"]
         self.t0 = time.time()
 
@@ -416,6 +442,7 @@ class HopProbe:
         records = self.engine.steps_since.remote(self.step).result()
         flushes = self.engine.flushes_since.remote(self.t0).result()
         return {**ingress_gaps(self.itl, scrape_ingress(self.url, self.ingress_replicas)),
+                **loop_lag(self.lag, scrape_ingress(self.url, self.ingress_replicas, name=LOOP_LAG)),
                 **engine_stats(records, steady_from), **flush_stats(flushes)}
 
 
@@ -497,6 +524,11 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "the coalescing, by design. `*_steady_*` (closed only): only "
              "gaps that begin after the last request of the burst got its first chunk (`burst_admitted_s` after "
              "the first send), without the arrival transient.",
+             "`ingress_loop_lag_*`: how late a 5 ms timer on each ingress replica's event loop fired during the "
+             "workload (`minedraft_api_event_loop_lag_seconds` at /metrics, serve/loop_lag.py), the replicas' "
+             "observations together: the delay that loop (and the GIL) added to every running stream's chunks "
+             "meanwhile, the closed burst's admissions included; P50/P99 within the histogram's buckets (bounds 0.5, "
+             "1, 2.5, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 150, 250 ms, ...), the mean exact.",
              "Engine steps of the workload (parquet): `engine_step_p50_ms`/`_p99_ms` the verifier's cycle per "
              "step (end of the previous verify -> end of this one, prefill chunks run in between included), "
              "`prefill_step_share` the share of steps with a prefill chunk in that cycle (a task of its own or fused "
@@ -650,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
                         + f", ttft p50/p99 {row['ttft_p50_ms'] or 0:.0f}/{row['ttft_p99_ms'] or 0:.0f} ms, "
                         f"chunk gap p50/p99 {row['chunk_gap_p50_ms'] or 0:.1f}/{row['chunk_gap_p99_ms'] or 0:.1f} ms,"
                         f" (steady p99 {ms('chunk_gap_steady_p99_ms')}; ingress p50/p99 {ms('ingress_gap_p50_ms')}/"
-                        f"{ms('ingress_gap_p99_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/"
+                        f"{ms('ingress_gap_p99_ms')}; ingress loop lag p99/mean {ms('ingress_loop_lag_p99_ms')}/"
+                        f"{ms('ingress_loop_lag_mean_ms')}; engine p50/p99 {ms('engine_gap_p50_ms')}/"
                         f"{ms('engine_gap_p99_ms')}),"
                         f" step p50/p99 {ms('engine_step_p50_ms')}/{ms('engine_step_p99_ms')} ms"
                         f" ({row['prefill_step_share'] or 0:.0%} with prefill), flush late p50/p99"

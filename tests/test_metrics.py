@@ -293,3 +293,32 @@ def test_collector_watch_records_full_collections_and_closes(ray_cluster):
     watch._recorded.clear()
     gc.collect()
     assert not watch._recorded
+
+
+def test_collector_watch_counts_the_frozen_heap_only_until_it_settles(ray_cluster):
+    """gc.get_freeze_count() walks the whole permanent generation holding the GIL: the watch's periodic export
+    re-sends the count it knows instead, or every stream of its process would stall for that walk every few seconds.
+    CPU time of this thread, so a loaded machine does not blur it."""
+    import gc
+
+    from minedraft_ray.observability.heap import CollectorWatch
+
+    watch = CollectorWatch("test", "m", "ar", replica="r")
+    watch.close()   # its export thread would count beside this test; frozen_count is what that thread calls
+    heap = [[] for _ in range(1_000_000)]   # a serving process's startup heap, in tracked objects
+    gc.freeze()
+    try:
+        t = time.thread_time()
+        frozen = gc.get_freeze_count()
+        walk = time.thread_time() - t
+        for _ in range(4):   # counted until two counts in a row agree (frozen objects that die meanwhile drop out)
+            counted = watch.frozen_count()
+        assert counted == pytest.approx(frozen, rel=1e-3)
+        t = time.thread_time()
+        for _ in range(20):
+            assert watch.frozen_count() == counted
+        settled = (time.thread_time() - t) / 20
+        assert walk > 0.5e-3 and settled < walk / 20, (walk, settled)
+    finally:
+        gc.unfreeze()
+        del heap

@@ -4,8 +4,8 @@ chunk gap of each hop. The statistics are checked without Ray."""
 import pyarrow.parquet as pq
 import pytest
 
-from bench.serve_vs_offline import (COLUMNS, Trace, engine_gaps, engine_stats, ingress_gaps, main, merge, percentile,
-                                    read_itl, trace_stats, weighted_percentile)
+from bench.serve_vs_offline import (COLUMNS, LOOP_LAG, Trace, engine_gaps, engine_stats, ingress_gaps, loop_lag, main,
+                                    merge, percentile, read_itl, trace_stats, weighted_percentile)
 from minedraft_ray.runtime.telemetry import StepRecord
 from minedraft_ray.serve.vllm_metrics import APIMetrics
 
@@ -97,6 +97,9 @@ def test_smoke(ray_cluster, tmp_path):
     assert 0 < closed["engine_gap_p50_ms"] <= closed["engine_gap_p99_ms"]
     assert closed["engine_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]
     assert 0 < closed["ingress_gap_p50_ms"] <= closed["ingress_gap_p99_ms"]
+    # the two ingress replicas' event-loop lag during the burst
+    assert 0 <= closed["ingress_loop_lag_p50_ms"] <= closed["ingress_loop_lag_p99_ms"]
+    assert closed["ingress_loop_lag_mean_ms"] >= 0
     assert 0 <= closed["flush_late_p50_ms"] <= closed["flush_late_p99_ms"]
     assert closed["burst_admitted_s"] > 0 and closed["chunk_gap_steady_p50_ms"] <= closed["chunk_gap_steady_p99_ms"]
     online = next(r for r in rows if r["workload"] == "online")
@@ -105,3 +108,22 @@ def test_smoke(ray_cluster, tmp_path):
     md = (tmp_path / "serve_vs_offline_cpu.md").read_text()
     assert "`python -m bench.serve_vs_offline --smoke" in md and "Ingress (OpenAIServer): 2 replica(s)" in md
     assert (tmp_path / "serve_vs_offline_cpu.png").is_file()
+
+
+def test_loop_lag_from_two_replicas_histograms():
+    # the ingress replicas' loop-lag histograms as /metrics serves them: the workload's observations of both
+    # together, P99 in its bucket, the mean exact
+    replicas = [APIMetrics("m", 0, spec_decode=False) for _ in range(2)]
+    for metrics, before in zip(replicas, ([0.3] * 5, [])):
+        for value in before:
+            metrics.loop_lag.observe(value)
+    scraped_before = dict(read_itl(m.render().decode(), LOOP_LAG) for m in replicas)
+    assert len(scraped_before) == 2
+    for metrics, during in zip(replicas, ([0.0002] * 90, [0.0002] * 8 + [0.04] * 2)):
+        for value in during:
+            metrics.loop_lag.observe(value)
+    lag = loop_lag(scraped_before, dict(read_itl(m.render().decode(), LOOP_LAG) for m in replicas))
+    assert 0 < lag["ingress_loop_lag_p50_ms"] <= 0.5
+    assert 30 < lag["ingress_loop_lag_p99_ms"] <= 50                   # the two 40 ms ones; the 0.3 s ones were before
+    assert lag["ingress_loop_lag_mean_ms"] == pytest.approx((98 * 0.2 + 2 * 40) / 100)
+    assert loop_lag(scraped_before, None)["ingress_loop_lag_p99_ms"] is None

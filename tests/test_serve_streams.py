@@ -177,3 +177,25 @@ def test_ingress_settings():
         EngineConfig(ingress_replicas=5, ingress_max_replicas=4)
     env = EngineConfig.from_env(environ={"MINEDRAFT_INGRESS_MAX_REPLICAS": "none", "MINEDRAFT_INGRESS_CPUS": "2"})
     assert env.ingress_max_replicas is None and env.ingress_cpus == 2.0
+
+
+def test_loop_lag_watch_sees_a_blocked_loop():
+    """The ingress's loop-lag probe (serve/loop_lag.py): a loop held for 0.3 s shows as one observation of about that
+    much lateness; the probe stops when told."""
+    from minedraft_ray.serve.loop_lag import LoopLagWatch
+
+    async def main():
+        lags: list[float] = []
+        watch = LoopLagWatch(lags.append, period_s=0.005)
+        watch.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)   # the loop is held: a stall of the kind the probe is for
+        await asyncio.sleep(0.05)
+        watch.stop()
+        await asyncio.sleep(0.02)
+        seen = len(lags)
+        await asyncio.sleep(0.05)
+        return lags, seen
+
+    lags, seen = asyncio.run(main())
+    assert max(lags) >= 0.25 and len(lags) == seen and min(lags) >= 0.0

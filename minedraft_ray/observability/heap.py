@@ -37,6 +37,11 @@ class CollectorWatch:
         self.frozen = Gauge("minedraft_gc_frozen_objects", description=SERIES["ray_minedraft_gc_frozen_objects"][1],
                             tag_keys=LABELS)
         self._started = 0.0
+        # gc.get_freeze_count() walks the whole permanent generation holding the GIL (O(frozen objects), tens of
+        # ms in a serving process): it is read until the count has settled (Serve freezes once, after a replica's
+        # constructor), then the export re-sends the number it knows
+        self._frozen_count: int | None = None
+        self._frozen_settled = False
         self._recorded: deque[tuple[int, float]] = deque(maxlen=10_000)
         self._stop = threading.Event()
         gc.callbacks.append(self._on_collection)
@@ -61,7 +66,17 @@ class CollectorWatch:
         later scan."""
         gc.collect()
         gc.freeze()
-        self.frozen.set(gc.get_freeze_count(), tags=self.tags)
+        self._frozen_count, self._frozen_settled = gc.get_freeze_count(), True
+        self.frozen.set(self._frozen_count, tags=self.tags)
+
+    def frozen_count(self) -> int:
+        """The objects frozen: counted (a walk of the permanent generation) until two counts in a row agree on a
+        non-zero number, known from then on."""
+        if not self._frozen_settled:
+            count = gc.get_freeze_count()
+            self._frozen_settled = count > 0 and count == self._frozen_count
+            self._frozen_count = count
+        return self._frozen_count
 
     def _export_loop(self) -> None:
         while not self._stop.wait(EXPORT_S):
@@ -69,4 +84,4 @@ class CollectorWatch:
                 generation, took = self._recorded.popleft()
                 self.pauses.observe(took, tags={**self.tags, "generation": str(generation)})
             # Ray ages out a gauge that is not re-reported
-            self.frozen.set(gc.get_freeze_count(), tags=self.tags)
+            self.frozen.set(self.frozen_count(), tags=self.tags)

@@ -24,11 +24,14 @@ that disconnects cancels its requests; the engine frees their slots.
 
 Tokenizing, detokenizing and request parsing run on a thread pool, never on the event loop that serves the
 other clients; prompts are counted before their ids are built, so an over-long prompt costs no list of
-millions of ids.
+millions of ids. A burst of new requests is admitted ADMITTING_AT_ONCE at a time (parse, tokenize, submit), so
+the running streams' chunks go out between the slices of its work instead of after all of it; that loop's lag
+is measured (serve/loop_lag.py, `minedraft_api_event_loop_lag_seconds` at /metrics).
 """
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import hmac
 import json
@@ -59,6 +62,7 @@ from ..runtime.placement import STRATEGY, make_bundles
 from ..runtime.workers import shared_vocab
 from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
 from .detokenize import OutputText, TokenStrings
+from .loop_lag import LoopLagWatch
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
 from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
@@ -78,6 +82,9 @@ INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling 
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
 SHUTDOWN_RELAY_S = 5.0   # the ingress's grace period beyond the engines': time to end the cut streams cleanly
 STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
+ADMITTING_AT_ONCE = 4    # requests being admitted (parsed, tokenized, submitted) at once; the others wait their
+                         # turn, so a burst's admission work comes in slices between the running streams' chunks
+                         # instead of ahead of all of them
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
                          # must not take the slots /health and ordinary requests need
 
@@ -477,6 +484,18 @@ class OpenAIServer:
         # Serve freezes what a replica's startup built once __init__ returns (RAY_SERVE_FREEZE_GC_ON_STARTUP);
         # the watch exports the collector's pauses and that frozen count
         self.collector = CollectorWatch("ingress", self.model_name, self.config.mode)
+        # the constructor runs on the loop that serves the requests
+        self.loop_lag = LoopLagWatch(self.metrics.loop_lag.observe)
+        self.loop_lag.start()
+        self.admitting = asyncio.Semaphore(ADMITTING_AT_ONCE)
+
+    @contextlib.asynccontextmanager
+    async def _admission(self):
+        """One of the ADMITTING_AT_ONCE admission slots, for parsing, tokenizing and submitting a request."""
+        if self.admitting.locked():
+            self.metrics.admission_waits.inc()
+        async with self.admitting:
+            yield
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -540,9 +559,9 @@ class OpenAIServer:
             raise APIError(400, str(e)) from None
         return params
 
-    async def _start(self, prompts: list[list[int]], req, max_tokens: int | None, num_logprobs: int | None,
-                     param: str, request_id: str) -> list[Choice]:
-        """One Choice per (prompt, n): choice i of a prompt gets seed + i. Raises if the engine refuses any."""
+    async def _submit(self, prompts: list[list[int]], req, max_tokens: int | None, num_logprobs: int | None,
+                      param: str, request_id: str) -> list[Choice]:
+        """One Choice per (prompt, n), submitted to the engine: choice i of a prompt gets seed + i."""
         if len(prompts) * req.n > self.config.max_running:
             raise APIError(400, f"n x prompts = {len(prompts) * req.n} exceeds the {self.config.max_running} "
                            "requests this engine runs at once.", param="n")
@@ -562,6 +581,10 @@ class OpenAIServer:
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
+        return choices
+
+    async def _accepted(self, choices: list[Choice]) -> list[Choice]:
+        """The engine's answer to every choice: raises if it refuses any (and closes them all)."""
         try:
             # a live engine answers at once (queued, or refused); no answer means no engine replica to take
             # it (Serve is replacing a dead one): 503 now, not a request left waiting for the replacement
@@ -723,25 +746,33 @@ class OpenAIServer:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
-        req: CompletionRequest = await self._off_loop(parse, CompletionRequest, await self._read_body(request))
-        req.check()
-        self._check_model(req.model)
-        prompts = await self._off_loop(self._completion_prompts, req.prompt, await self._context_limit())
-        self.ignored.note("completions", req.ignored_fields())
-        request_id = request_id_of(request.scope)
-        choices = await self._start(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id)
+        body = await self._read_body(request)   # a slow client's body holds no admission slot
+        async with self._admission():
+            req: CompletionRequest = await self._off_loop(parse, CompletionRequest, body)
+            req.check()
+            self._check_model(req.model)
+            prompts = await self._off_loop(self._completion_prompts, req.prompt, await self._context_limit())
+            self.ignored.note("completions", req.ignored_fields())
+            request_id = request_id_of(request.scope)
+            choices = await self._submit(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id)
+        # the engine's answer is awaited outside the slot: an engine restarting takes seconds to answer
+        choices = await self._accepted(choices)
         return await self._respond(req, choices, sum(map(len, prompts)), "text_completion", request_id)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, await self._read_body(request))
-        req.check()
-        self._check_model(req.model)
-        self.ignored.note("chat/completions", req.ignored_fields())
-        prompt = await self._off_loop(self._chat_prompt, req, await self._context_limit())
-        request_id = request_id_of(request.scope)
-        choices = await self._start([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages", request_id)
+        body = await self._read_body(request)
+        async with self._admission():
+            req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, body)
+            req.check()
+            self._check_model(req.model)
+            self.ignored.note("chat/completions", req.ignored_fields())
+            prompt = await self._off_loop(self._chat_prompt, req, await self._context_limit())
+            request_id = request_id_of(request.scope)
+            choices = await self._submit([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages",
+                                         request_id)
+        choices = await self._accepted(choices)
         return await self._respond(req, choices, len(prompt), "chat.completion", request_id)
 
     def _encode(self, text: str, add_special_tokens: bool, limit: int, param: str) -> list[int]:

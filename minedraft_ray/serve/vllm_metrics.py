@@ -25,7 +25,9 @@ so does this module, in the OpenAI ingress replica, from the engine's outputs as
 - preemptions per request (a histogram): from each request's final stats, as the spec-decode counters.
 
 The project's own series (`ray_minedraft_*`, docs/observability.md) stay where they are, on Ray's metrics
-export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored).
+export; this registry adds `minedraft_api_ignored_fields_total` (request fields accepted and ignored) and
+`minedraft_api_event_loop_lag_seconds` (serve/loop_lag.py) and `minedraft_api_admission_waits_total` (requests
+that waited for an admission slot).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .loop_lag import LAG_BUCKETS
 
 # vllm/v1/metrics/buckets.py (vLLM 0.32)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
@@ -113,6 +117,13 @@ class APIMetrics:
                                       "Request fields accepted and ignored (unknown or without effect here), "
                                       "by endpoint and field name", labelnames=("endpoint", "field"),
                                       registry=self.registry)
+        self.loop_lag = Histogram("minedraft_api_event_loop_lag_seconds",
+                                  "How late a short timer on the ingress replica's event loop fired "
+                                  "(serve/loop_lag.py): the delay the loop added to every stream's chunks meanwhile",
+                                  buckets=LAG_BUCKETS, registry=self.registry)
+        self.admission_waits = Counter("minedraft_api_admission_waits",
+                                       "Requests that waited for an admission slot (serve/app.py ADMITTING_AT_ONCE): "
+                                       "a burst admitted in slices", registry=self.registry)
 
     def request(self, prompt_tokens: int) -> "RequestTimer":
         return RequestTimer(self, prompt_tokens)

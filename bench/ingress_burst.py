@@ -1,0 +1,118 @@
+"""Running streams' chunk gaps while a burst of new requests is admitted beside them (issue 22), on one Serve app.
+
+    python -m bench.ingress_burst                                   # CPU: the default target, ar, 8 + 256 requests
+    python -m bench.ingress_burst --running 64 --burst 192 --max-tokens 512 --device cuda --target random:llama-8b
+
+`--running` streaming completions (`--max-tokens` each, `ignore_eos`) fill the engine's batch; `--burst-at` seconds
+later `--burst` more are sent at once (4 tokens each: they queue behind the running ones, as the 192 queued beside 64
+running of the closed serve benchmark do). Printed: the running streams' chunk gaps before the burst and in the
+`--window` seconds from its start (client side, exact), the burst's TTFT, and the ingress's event-loop lag in both
+windows (`minedraft_api_event_loop_lag_seconds`, one ingress replica: with several, each scrape reaches one of them).
+Profile the ingress meanwhile with `py-spy record --gil --threads --pid <OpenAIServer replica pid>` (the pid from
+`ps -eo pid,args | grep OpenAIServer`). Results: bench/results/ingress_burst_cpu.md.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, make_prompts, percentile, read_itl, run_shard)
+
+
+def lag_between(before, after) -> str:
+    if before is None or after is None:
+        return "–"
+    delta = after.minus(before)
+    if not delta.counts or delta.counts[-1] <= 0:
+        return "–"
+    return (f"mean {delta.mean() * 1e3:.1f} p50 {delta.quantile(0.5) * 1e3:.1f} "
+            f"p99 {delta.quantile(0.99) * 1e3:.1f} ms ({delta.counts[-1]:.0f} probes)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--running", type=int, default=8, help="streams running when the burst comes (= max_batch)")
+    ap.add_argument("--burst", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=300, help="tokens of each running stream")
+    ap.add_argument("--burst-at", type=float, default=3.0)
+    ap.add_argument("--window", type=float, default=2.0)
+    ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--target", default=None, help="default: the default target")
+    args = ap.parse_args(argv)
+
+    from minedraft_ray.ray_local import lock_down
+
+    lock_down()
+    import ray
+
+    from minedraft_ray.runtime.llm import init_local_ray
+
+    temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    init_local_ray(num_gpus=None if args.device == "cuda" else 2, _temp_dir=temp_dir, log_to_driver=False)
+    settings = {"mode": "ar", "draft": None, "max_batch": args.running, "max_len": 24 + args.max_tokens + 16,
+                "max_queued": max(args.burst, 64), "device": args.device, "stream_interval_ms": 20.0,
+                "ingress_replicas": args.ingress_replicas}
+    if args.device == "cpu":
+        settings["torch_threads"] = 1
+    if args.target:
+        settings["target"] = args.target
+    pool = mp.get_context("spawn").Pool(2)
+    try:
+        url = deploy(settings)
+        from minedraft_ray.config import EngineConfig
+
+        model = EngineConfig.model_validate(settings).served_model_name
+        prompts = make_prompts(args.running + args.burst, 8, 24, 512)
+        pool.map(run_shard, [Shard(url, model, prompts[:args.running], [0.0] * args.running, 4, time.time() + 0.5)])
+
+        def scrape():
+            with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+                return read_itl(r.read().decode(), LOOP_LAG)[1]
+
+        start = time.time() + 1.0
+        running = pool.map_async(run_shard, [Shard(url, model, prompts[:args.running], [0.0] * args.running,
+                                                   args.max_tokens, start)])
+        burst = pool.map_async(run_shard, [Shard(url, model, prompts[args.running:], [args.burst_at] * args.burst, 4,
+                                                 start)])
+        burst_t = start + args.burst_at
+        snapshots = []
+        for t in (burst_t - 1.5, burst_t, burst_t + args.window):
+            time.sleep(max(0.0, t - time.time()))
+            snapshots.append(scrape())
+        streams = [Trace(**t) for part in running.get() for t in part]
+        admitted = [Trace(**t) for part in burst.get() for t in part]
+    finally:
+        pool.close()
+        pool.join()
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    gaps = [(a, (b - a) * 1e3) for t in streams for a, b in zip(t.chunks, t.chunks[1:])]
+    before = [g for a, g in gaps if a + g / 1e3 < burst_t]
+    during = [g for a, g in gaps if a + g / 1e3 >= burst_t and a < burst_t + args.window]
+    errors = [t.error for t in streams + admitted if t.error]
+    ttft = [(t.chunks[0] - t.sent) * 1e3 for t in admitted if t.chunks]
+
+    def fmt(values):
+        return (f"P50 {percentile(values, 50):.1f} P99 {percentile(values, 99):.1f} max {max(values):.1f} ms "
+                f"({len(values)} gaps)") if values else "–"
+    print(f"running streams' chunk gaps: before the burst {fmt(before)}; during it {fmt(during)}")
+    print(f"ingress loop lag: before {lag_between(snapshots[0], snapshots[1])}; during "
+          f"{lag_between(snapshots[1], snapshots[2])}")
+    print(f"burst TTFT P50/P99 {percentile(ttft, 50) or 0:.0f}/{percentile(ttft, 99) or 0:.0f} ms; running streams' "
+          f"chunks {statistics.mean(len(t.chunks) for t in streams):.0f} each; errors {len(errors)}"
+          + (f" ({errors[0]})" if errors else ""))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
