@@ -9,30 +9,43 @@ running of the closed serve benchmark do). Printed: the running streams' chunk g
 `--window` seconds from its start (client side, exact), the burst's TTFT, and the ingress's event-loop lag in both
 windows (`minedraft_api_event_loop_lag_seconds`, one ingress replica: with several, each scrape reaches one of them).
 Profile the ingress meanwhile with `py-spy record --gil --threads --pid <OpenAIServer replica pid>` (the pid from
-`ps -eo pid,args | grep OpenAIServer`). Results: bench/results/ingress_burst_cpu.md.
+`ps -eo pid,args | grep OpenAIServer`). One row per run, merged by `--label` into <out>/ingress_burst.* (on a CPU:
+ingress_burst_cpu.*); a diagnosis of earlier CPU runs: docs/ingress-burst.md.
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
+from bench.common import command_line, git_sha, merge_by_config, write_results
 from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, make_prompts, percentile, read_itl, run_shard)
 
+NAME = "ingress_burst"   # on a CPU: ingress_burst_cpu
+COLUMNS = ["label", "device", "target", "running", "burst", "max_tokens", "ingress_replicas", "gap_before_p50_ms",
+           "gap_before_p99_ms", "gap_during_p50_ms", "gap_during_p99_ms", "gap_during_max_ms", "gaps_during",
+           "loop_lag_before_mean_ms", "loop_lag_during_mean_ms", "loop_lag_during_p99_ms", "burst_ttft_p50_ms",
+           "burst_ttft_p99_ms", "errors", "load_before", "git_sha", "command"]
+TABLE_COLUMNS = ["label", "running", "burst", "ingress_replicas", "gap_before_p50_ms", "gap_before_p99_ms",
+                 "gap_during_p50_ms", "gap_during_p99_ms", "loop_lag_during_mean_ms", "loop_lag_during_p99_ms",
+                 "burst_ttft_p50_ms", "errors", "load_before"]
 
-def lag_between(before, after) -> str:
+
+def lag_between(before, after) -> tuple[float | None, float | None]:
+    """Mean and P99 (within the histogram's buckets) ms of the loop-lag probes between two scrapes."""
     if before is None or after is None:
-        return "–"
+        return None, None
     delta = after.minus(before)
     if not delta.counts or delta.counts[-1] <= 0:
-        return "–"
-    return (f"mean {delta.mean() * 1e3:.1f} p50 {delta.quantile(0.5) * 1e3:.1f} "
-            f"p99 {delta.quantile(0.99) * 1e3:.1f} ms ({delta.counts[-1]:.0f} probes)")
+        return None, None
+    return delta.mean() * 1e3, delta.quantile(0.99) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ingress-replicas", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", default=None, help="default: the default target")
+    ap.add_argument("--label", default=None, help="names this run's row (default: the git sha and ingress replicas)")
+    ap.add_argument("--smoke", action="store_true", help="a few short streams (CI)")
+    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.running, args.burst, args.max_tokens, args.burst_at, args.window = 2, 16, 60, 1.0, 1.0
+    load_before = os.getloadavg()[0]
 
     from minedraft_ray.ray_local import lock_down
 
@@ -102,15 +121,33 @@ def main(argv: list[str] | None = None) -> int:
     errors = [t.error for t in streams + admitted if t.error]
     ttft = [(t.chunks[0] - t.sent) * 1e3 for t in admitted if t.chunks]
 
-    def fmt(values):
-        return (f"P50 {percentile(values, 50):.1f} P99 {percentile(values, 99):.1f} max {max(values):.1f} ms "
-                f"({len(values)} gaps)") if values else "–"
-    print(f"running streams' chunk gaps: before the burst {fmt(before)}; during it {fmt(during)}")
-    print(f"ingress loop lag: before {lag_between(snapshots[0], snapshots[1])}; during "
-          f"{lag_between(snapshots[1], snapshots[2])}")
-    print(f"burst TTFT P50/P99 {percentile(ttft, 50) or 0:.0f}/{percentile(ttft, 99) or 0:.0f} ms; running streams' "
-          f"chunks {statistics.mean(len(t.chunks) for t in streams):.0f} each; errors {len(errors)}"
-          + (f" ({errors[0]})" if errors else ""))
+    lag_before, _ = lag_between(snapshots[0], snapshots[1])
+    lag_during, lag_during_p99 = lag_between(snapshots[1], snapshots[2])
+    row = {"label": args.label or f"{git_sha()} x{args.ingress_replicas}", "device": args.device,
+           "target": args.target or "default", "running": args.running, "burst": args.burst,
+           "max_tokens": args.max_tokens, "ingress_replicas": args.ingress_replicas,
+           "gap_before_p50_ms": percentile(before, 50), "gap_before_p99_ms": percentile(before, 99),
+           "gap_during_p50_ms": percentile(during, 50), "gap_during_p99_ms": percentile(during, 99),
+           "gap_during_max_ms": max(during, default=None), "gaps_during": len(during),
+           "loop_lag_before_mean_ms": lag_before, "loop_lag_during_mean_ms": lag_during,
+           "loop_lag_during_p99_ms": lag_during_p99, "burst_ttft_p50_ms": percentile(ttft, 50),
+           "burst_ttft_p99_ms": percentile(ttft, 99), "errors": len(errors), "load_before": load_before,
+           "git_sha": git_sha(), "command": command_line("bench.ingress_burst", argv)}
+    print({k: row[k] for k in TABLE_COLUMNS} | ({"first_error": errors[0]} if errors else {}))
+    name = NAME if args.device == "cuda" else f"{NAME}_cpu"
+    old = Path(args.out) / f"{name}.parquet"
+    rows = [row]
+    if old.exists():
+        import pyarrow.parquet as pq
+
+        rows = merge_by_config(pq.read_table(old).to_pylist(), rows, ("label",))
+    write_results(rows, args.out, name, COLUMNS, "Running streams' chunk gaps while a burst is admitted beside them",
+                  row["command"], args.device, table_columns=TABLE_COLUMNS, notes=[
+                      f"{r['label']}: {r['running']} streaming completions of {r['max_tokens']} tokens running "
+                      f"(max_batch = running, ar), then {r['burst']} more sent at once (4 tokens each, queued behind "
+                      f"them); gaps of the running streams' chunks (client side) before the burst and in the "
+                      f"window from its start; ingress event-loop lag (5 ms probe) in the same window; "
+                      f"load_before: the 1-minute load average at the start" for r in rows[-1:]])
     return 1 if errors else 0
 
 

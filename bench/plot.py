@@ -353,7 +353,13 @@ def plot_fused_step_profile(parquet, png) -> Path:
     return Path(png)
 
 
+plot_ingress_burst = bar_plot(lambda r: f"{r['label']}\n{r['running']}+{r['burst']}", "gap_during_p99_ms",
+                              "P99 chunk gap during the burst (ms)",
+                              "Running streams' chunk gaps while a burst is admitted")
+
 PLOTS = {
+    "ingress_burst": plot_ingress_burst,
+    "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
     "real_traffic": plot_real_traffic,
     "host_overhead_cpu": plot_host_overhead,
