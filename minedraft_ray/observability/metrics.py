@@ -278,7 +278,7 @@ class EngineMetrics:
             self._gauge_values[key] = (gauge, tags, value)
         gauge.set(value, tags)
 
-    # ---- per step ----------------------------------------------------------------------------
+    # ---- per step ------------------------------------------------------------------------------
     def on_step(self, record, manager=None) -> None:
         manager = manager or self.manager
         step_s = record.step_ms / 1e3
