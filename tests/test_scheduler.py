@@ -328,8 +328,9 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
         assert prefill.chunks and all(c.stop > c.start for c in prefill.chunks)
         if budget is not None:
             assert prefill.num_tokens <= budget, f"a prefill of {prefill.num_tokens} tokens, budget {budget}"
-            if driver.sched.mode == "psd" and all(driver.sched.batches) and not driver.sched.one_batch:
-                # a request's period spans both batches' verifies: half the budget each
+            if decoding and driver.sched.mode == "psd" and all(driver.sched.batches) and not driver.sched.one_batch:
+                # a request's period spans both batches' verifies: half the budget each (while nothing decodes,
+                # there is no period to bound: the whole budget)
                 assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
         for c in prefill.chunks:
             assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
@@ -563,6 +564,20 @@ def test_a_budget_the_prompts_fit_plans_what_whole_prompts_plan(mode, max_batch,
     assert len(chunked.plans) == len(whole.plans)
     for call, (c, w) in enumerate(zip(chunked.plans, whole.plans)):
         assert c == w, f"schedule call {call}: chunked {c} != whole {w}"
+
+
+def test_psd_takes_the_whole_budget_while_nothing_decodes():
+    """psd's split halves the budget to bound a decoding request's period; from idle nobody decodes, so a burst's
+    first prefill takes the whole budget, and once requests decode the chunks get half."""
+    sched = make_scheduler("psd", 4, 2, budget=16, fuse=True)
+    for _ in range(8):
+        sched.arrive(RequestState(Request(list(range(2, 10)), SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True), (EOS,))))
+    plan = sched.schedule(None)
+    assert all(sched.batches) and not sched.one_batch
+    assert [p.num_tokens for p in plan.prefills] == [16]
+    fused = [v.prefill.num_tokens + len(v.rows) * (K + 1) for v in plan.verifies if v.prefill is not None]
+    assert fused == [] and sched.launch_budget() == 8
 
 
 def test_psd_splits_and_rebalances_a_burst():

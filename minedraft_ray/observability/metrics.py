@@ -11,7 +11,8 @@ model, mode (ar, sd, sd_split, psd) and replica, plus Ray's own (WorkerId, NodeA
 
 Cost: never per token. A step makes five histogram observations (each a call into Ray's C++ recorder),
 a finished request three; counter increments are summed in Python and handed to Ray about once a
-second; gauges are written only when their value changes. Speculative-decoding names follow vLLM's
+second; gauges are written only when their value changes, and those read from the engine's snapshot (queue,
+slots, drafter, KV pools) once per such window. Speculative-decoding names follow vLLM's
 (`vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`, `..._num_accepted_tokens_total`):
 acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
 
@@ -280,7 +281,6 @@ class EngineMetrics:
     # ---- per step ------------------------------------------------------------------------------
     def on_step(self, record, manager=None) -> None:
         manager = manager or self.manager
-        snapshot = manager.snapshot() if manager is not None else None
         step_s = record.step_ms / 1e3
         # psd drafts one batch while verifying the other; every other regime drafts, then verifies
         busy_ms = (max(record.t_draft_ms, record.t_verify_ms) if record.regime == "psd"
@@ -298,8 +298,8 @@ class EngineMetrics:
             self.verify_time.observe(record.t_verify_ms / 1e3)
             self._add(self.verify_total, record.t_verify_ms / 1e3)
         if record.draft_tokens:
-            # each row carrying drafts carries k of them (the manager drafts k for every drafted row)
-            drafts = record.draft_tokens // snapshot.k
+            # each row carrying drafts carries k of them: the rows drafted
+            drafts = record.drafted
             self._add(self.num_drafts, drafts)
             self._add(self.num_draft_tokens, record.draft_tokens)
             self._add(self.num_accepted_tokens, record.accepted)
@@ -310,19 +310,24 @@ class EngineMetrics:
         # the balance of the split; a sequential batch (one batch holds everyone) has none
         split = record.regime == "psd" and not record.extra.get("one_batch")
         self._set(self.imbalance, abs(a - b) if split else 0)
-        if snapshot is not None:
-            self._set(self.queue_depth, snapshot.waiting)
-            self._set(self.running, a + b)
-            self._set(self.slots_in_use, snapshot.slots_in_use)
-            self._set(self.drafter_alive, 1 if snapshot.drafter_alive else 0)
-            self.on_kv(snapshot)
+        self._set(self.running, a + b)
         self._busy_ms += record.t_verify_ms
         self._wall_ms += record.step_ms
         # a window ends after window_s of steps, or when the engine runs dry (the end of a burst)
         if self._wall_ms >= self.window_s * 1e3 or (a + b == 0 and self._wall_ms > 0):
             self._set(self.busy, min(self._busy_ms / self._wall_ms, 1.0))
             self._busy_ms = self._wall_ms = 0.0
+            if manager is not None:
+                self.on_snapshot(manager.snapshot())
             self.flush()
+
+    def on_snapshot(self, snapshot) -> None:
+        """The engine's state, read once per window (Ray exports every ~10 s, so a value a second old loses
+        nothing a scrape sees, and a step does not pay for reading the queue and both KV pools)."""
+        self._set(self.queue_depth, snapshot.waiting)
+        self._set(self.slots_in_use, snapshot.slots_in_use)
+        self._set(self.drafter_alive, 1 if snapshot.drafter_alive else 0)
+        self.on_kv(snapshot)
 
     def on_kv(self, snapshot) -> None:
         """The KV pools' usage, and the prefix-cache and preemption counts since the last snapshot."""
@@ -331,11 +336,13 @@ class EngineMetrics:
             hits, queries = self._kv_seen.get(pool.model, (0, 0))
             if pool.query_tokens < queries:   # a new pool (the drafter restarted) counts from 0
                 hits = queries = 0
-            tags = self._gauge_tags[pool.model]
-            self._add(self.prefix_hits, pool.hit_tokens - hits, tags)
-            self._add(self.prefix_queries, pool.query_tokens - queries, tags)
+            if pool.query_tokens > queries:
+                tags = self._gauge_tags[pool.model]
+                self._add(self.prefix_hits, pool.hit_tokens - hits, tags)
+                self._add(self.prefix_queries, pool.query_tokens - queries, tags)
             self._kv_seen[pool.model] = (pool.hit_tokens, pool.query_tokens)
-        self._add(self.preemptions, snapshot.preemptions - self._preemptions_seen)
+        if snapshot.preemptions > self._preemptions_seen:
+            self._add(self.preemptions, snapshot.preemptions - self._preemptions_seen)
         self._preemptions_seen = snapshot.preemptions
 
     # ---- per emit / per request ----------------------------------------------------------------

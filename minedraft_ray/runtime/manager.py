@@ -546,7 +546,7 @@ class BatchManager:
             self.verifier, task.drafts, task.ref,
             lambda: self.verifier.verify.remote(verify.seq, [s.slot for s in verify.rows], None,
                                                 self._num_logprobs(self._step_requests(verify)), None,
-                                                tables=task.tables, chunks=task.chunks))
+                                                **self._riders(task.tables, task.chunks)))
         if verify.prefill is not None:   # what later rounds take its chunks' first tokens from
             verify.prefill.handle = task.ref
         self.sched.verify_failed_drafts(verify)
@@ -629,14 +629,28 @@ class BatchManager:
         for verify in plan.verifies:
             self._submit_verify(verify)
 
-    def _verifier_tables(self) -> KVEdits:
-        """The block-table changes for the verifier's next task (in sd its actor holds the drafter too)."""
-        return KVEdits(self.sched.take_edits(KVRole.TARGET),
-                       self.sched.take_edits(KVRole.DRAFT) if self.mode == "sd" else None)
+    def _verifier_tables(self) -> KVEdits | None:
+        """The block-table changes for the verifier's next task (in sd its actor holds the drafter too); None when
+        there are none (a message the call need not carry)."""
+        target = self.sched.take_edits(KVRole.TARGET)
+        draft = self.sched.take_edits(KVRole.DRAFT) if self.mode == "sd" else None
+        return KVEdits(target, draft) if target is not None or draft is not None else None
 
-    def _drafter_tables(self) -> KVEdits:
-        """The block-table changes for the drafter's next task (psd, sd_split)."""
-        return KVEdits(draft=self.sched.take_edits(KVRole.DRAFT))
+    def _drafter_tables(self) -> KVEdits | None:
+        """The block-table changes for the drafter's next task (psd, sd_split); None when there are none."""
+        draft = self.sched.take_edits(KVRole.DRAFT)
+        return KVEdits(draft=draft) if draft is not None else None
+
+    @staticmethod
+    def _riders(tables: KVEdits | None, chunks: list[PrefillRow] | None) -> dict:
+        """A verifier call's optional keyword arguments, those with a value only: Ray binds and serializes every
+        argument it is given, every step."""
+        riders = {}
+        if tables is not None:
+            riders["tables"] = tables
+        if chunks is not None:
+            riders["chunks"] = chunks
+        return riders
 
     @staticmethod
     def _prefill_row(c) -> PrefillRow:
@@ -680,7 +694,8 @@ class BatchManager:
         if verify.regime == "sd":
             task.kind = "step"
             task.tables = self._verifier_tables()
-            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp, task.tables, chunks=task.chunks)
+            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp,
+                                                 **self._riders(task.tables, task.chunks))
         else:
             for round_ in (verify.ahead, verify.fresh):
                 if round_ is None:
@@ -691,8 +706,8 @@ class BatchManager:
                 task.draft_timings.append(round_.timing)
             task.tables = self._verifier_tables()
             task.ref = self.verifier.verify.remote(verify.seq, slots, verify.draft_index if verify.drafted else None,
-                                                   nlp, task.tokens_to, *task.drafts, tables=task.tables,
-                                                   chunks=task.chunks)
+                                                   nlp, task.tokens_to, *task.drafts,
+                                                   **self._riders(task.tables, task.chunks))
         if verify.prefill is not None:   # rounds take its first tokens from the verify's result
             verify.prefill.handle = task.ref
         self.counters["queued_behind"] += self.sched.queued[verify.batch] > 1

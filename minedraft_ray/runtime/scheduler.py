@@ -18,9 +18,9 @@ Chunked prefill: the scheduler owns the per-step token budget (`prefill_budget`,
 step). Admitted prompts queue for it in admission order, and each `schedule` call plans at most one prefill
 task within the budget, cut mid-prompt where it falls, in front of the verify it plans (in psd, members of
 the batch just committed first, so a chunk rides with its own batch's verify, and half the budget while it
-splits, since a request's period then spans both batches' verifies). A running request's time between tokens
-thus grows by at most one chunk's time. While nothing decodes there is nothing to
-stall, and chunks are planned back to back until one completes a prompt. A request rides no verify and no
+splits and requests decode, since a request's period then spans both batches' verifies). A running request's
+time between tokens thus grows by at most one chunk's time. While nothing decodes there is nothing to
+stall: chunks take the whole budget, back to back until one completes a prompt. A request rides no verify and no
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
 by the time the verify runs), and its first token comes from that last chunk.
 
@@ -715,7 +715,7 @@ class Scheduler:
             # the rows the first verify may carry: only requests started before this call (a chunk that completes
             # a prompt makes its request a rider of the next verify, not of the one the chunk rides)
             verify_tokens = self._expected_verify_tokens(order) if fusing else 0
-            prefill = self._plan_prefill(committed, verify_tokens)
+            prefill = self._plan_prefill(committed, verify_tokens, decoding)
             if prefill is None:
                 return None
             plan.prefills.append(prefill)
@@ -724,11 +724,12 @@ class Scheduler:
                 return prefill if fits else None
         return None
 
-    def launch_budget(self) -> int | None:
-        """Tokens one verifier step may prefill (fused: its whole launch); None: unbounded (whole prompts)."""
+    def launch_budget(self, decoding: bool = True) -> int | None:
+        """Tokens one verifier step may prefill (fused: its whole launch); None: unbounded (whole prompts).
+        decoding: some request decodes (its period is what the halving below bounds)."""
         if not self.config.prefill_budget:
             return None
-        if self.mode == "psd" and not self.one_batch and all(self.batches):
+        if decoding and self.mode == "psd" and not self.one_batch and all(self.batches):
             # the split: a request's period spans both batches' verifies, each with its chunk: half the budget
             # each keeps a request's gap within one chunk's time
             return max(1, self.config.prefill_budget // 2)
@@ -748,16 +749,18 @@ class Scheduler:
                     return rows * self.verify_width(self.regime(b))
         return 0
 
-    def _plan_prefill(self, committed: int | None, verify_tokens: int = 0) -> PrefillPlan | None:
+    def _plan_prefill(self, committed: int | None, verify_tokens: int = 0, decoding: bool = True
+                      ) -> PrefillPlan | None:
         """Chunks of the prompts not yet planned, in admission order (in psd, members of the batch just
         committed first, so a chunk rides with its own batch's verify), at most `prefill_budget` tokens, less
-        `verify_tokens` (those of the verify it may ride) where that leaves any."""
+        `verify_tokens` (those of the verify it may ride) where that leaves any; the whole budget while nothing
+        decodes (`launch_budget`)."""
         pending = [s for s in self.unprefilled if not s.done]
         self.unprefilled = deque(pending)
         if committed is not None and self.mode == "psd":
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
-        room = self.launch_budget() or sum(s.prefill_len - s.prompt_planned for s in pending)
+        room = self.launch_budget(decoding) or sum(s.prefill_len - s.prompt_planned for s in pending)
         if room > verify_tokens:
             room -= verify_tokens
         chunks = []
