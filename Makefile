@@ -21,12 +21,12 @@ install: $(STAMP)
 # tests wait on actors; a file's tests stay on one worker, so module fixtures run once. The two venvs install
 # side by side first (pip waits on the disk more than it computes), not during the tests. One torch thread per
 # test process: two workers with two threads each on two cores (beside Ray's actors) wait on each other in
-# every op of the tiny test models. Files are handed out whole (loadgroup: tests/conftest.py makes each file an xdist
-# group, and the files that share started engines one group), slowest first, not by their number of tests, so that
-# the two workers end together
+# every op of the tiny test models. Files are handed out slowest first (tests/conftest.py), not by their number of
+# tests, so that the two workers end together; the files that share started engines (tests/engines.py) go to one
+# worker together
 test:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 	$(MAKE) test-vllm
 
 serve: $(STAMP)

@@ -2,8 +2,8 @@
 
 An engine's start (three Ray actors, each importing torch) is most of a runtime test, so the tiny `sd` and `psd`
 engines that test_runtime.py, test_runtime_regimes.py and test_chunked_prefill.py each used to start for
-themselves start once per worker. Those files run on one worker, one after another (`--dist loadgroup`:
-tests/conftest.py puts them in one xdist group), and the cache is emptied as soon as a test of another file
+themselves start once per worker. Those files run on one worker, one after another (tests/conftest.py makes them
+one unit of `--dist loadfile`), and the cache is emptied as soon as a test of another file
 starts, so that their engines do not hold the cluster's (fake) GPUs while other files run.
 
 A test may reconfigure a shared engine (k, the prefill budget) but must leave it as it found it, idle: the next
