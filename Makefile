@@ -22,7 +22,8 @@ install: $(STAMP)
 # side by side first (pip waits on the disk more than it computes), not during the tests. One torch thread per
 # test process: two workers with two threads each on two cores (beside Ray's actors) wait on each other in
 # every op of the tiny test models. Files are handed out slowest first (tests/conftest.py), not by their number of
-# tests, so that the two workers end together
+# tests, so that the two workers end together; the files that share started engines (tests/engines.py) go to one
+# worker together
 test:
 	$(MAKE) -j2 $(STAMP) $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests

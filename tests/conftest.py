@@ -4,23 +4,52 @@ import pytest
 
 from minedraft_ray.testing.tiny import make_noised_draft, make_tiny_model
 from ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per test session)
+from engines import CACHE as ENGINES, SHARING_FILES
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
 
 # `make test` (-n 2 --dist loadfile --no-loadscope-reorder) hands whole files to its two workers in collection
-# order: the slowest files go first, so that both workers end together instead of one running a long file alone
-# at the end. The other files follow in their usual order.
-SLOWEST_FIRST = ("test_cli.py", "test_runtime_faults.py", "test_cluster.py", "test_runtime_regimes.py",
-                 "test_runtime.py", "test_bench_scripts.py", "test_runtime_paging.py", "test_security.py",
-                 "test_bench_smoke.py", "test_tensor_parallel.py", "test_openai_compat.py", "test_runtime_sampling.py",
-                 "test_serve.py", "test_chunked_prefill.py", "test_ray_collective.py", "test_draft_identity.py",
-                 "test_serve_bench.py", "test_attention_triton.py", "test_tp_serve.py", "test_real_traffic_bench.py")
+# order, except that the files sharing started engines (tests/engines.py) go together, as one unit, to one worker
+# (SharedEnginesTogether): the slowest go first, so that both workers end together instead of one running a long file
+# alone at the end. The other files follow in their usual order.
+SLOWEST_FIRST = ("test_runtime.py", "test_runtime_regimes.py", "test_chunked_prefill.py", "test_cli.py",
+                 "test_runtime_faults.py", "test_bench_scripts.py", "test_cluster.py", "test_security.py",
+                 "test_tensor_parallel.py", "test_openai_compat.py", "test_runtime_sampling.py",
+                 "test_runtime_paging.py", "test_bench_smoke.py", "test_serve_bench.py", "test_serve.py",
+                 "test_attention_triton.py", "test_draft_identity.py", "test_real_traffic_bench.py",
+                 "test_ray_collective.py", "test_tp_serve.py")
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the files that share started engines one unit of work (xdist's own grouping,
+    --dist loadgroup, sets a node id that pytest 9 no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedEnginesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "shared engines" if scope.rsplit("/", 1)[-1] in SHARING_FILES else scope
+
+    return SharedEnginesTogether(config, log)
+
+
+def pytest_runtest_setup(item):
+    if item.path.name not in SHARING_FILES:
+        ENGINES.close()   # the shared engines' files are done on this worker: give their (fake) GPUs back
+
+
+@pytest.fixture(scope="session")
+def shared_engines(ray_cluster):
+    yield ENGINES
+    ENGINES.close()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ tests/conftest.py imports this module first (`from ray_cluster import ray_cluste
 test module imports Ray: the cluster is locked down like every instance the project starts
 (minedraft_ray/ray_local.py: listeners on 127.0.0.1, Ray token authentication with a fresh token), which Ray
 only honours when set before its import. Its Serve proxy runs the ingress guard (serve/guard.py) with short
-timeouts, so the tests of slow clients take seconds. Logical GPUs (num_gpus=4: psd at tp 2 takes three) let
-placement groups with GPU bundles schedule on a CPU machine; the actors still run torch on the CPU. Never
+timeouts, so the tests of slow clients take seconds. Logical GPUs (8: psd at tp 2 takes three, and the shared
+engines of tests/engines.py hold three while their files start others; 6 CPUs for the same reason) let placement
+groups with GPU bundles schedule on a CPU machine; the actors still run torch on the CPU. Never
 `ray stop`: it kills every Ray process on the host.
 """
 import os
@@ -32,7 +33,7 @@ def ray_cluster():
     guard = guard_environ(TEST_LIMITS)
     os.environ.update(guard)    # inherited by Ray's processes (Serve's proxy) only
     try:
-        start_local_ray(num_cpus=4, num_gpus=4, _temp_dir=temp_dir, log_to_driver=False)
+        start_local_ray(num_cpus=6, num_gpus=8, _temp_dir=temp_dir, log_to_driver=False)
     finally:
         for name in guard:
             os.environ.pop(name, None)

@@ -14,6 +14,7 @@ from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM
 from minedraft_ray.testing.workers import faulty_drafter
+from engines import TINY_PSD, TINY_SD
 from runtime_common import reconfigure_when_idle
 
 LONG = ("Chunked prefill cuts a long prompt into pieces that ride along with the steps of the requests already "
@@ -36,13 +37,14 @@ def reference(tiny_llama):
 
 
 @pytest.mark.parametrize("mode", ["sd", "psd"])   # ar is sd's chain without drafts, sd_split psd's (suite time)
-def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, tiny_llama_draft, reference, mode):
+def test_chunked_prefill_equals_ar_at_every_chunk_size(shared_engines, tiny_llama, tiny_llama_draft, reference, mode):
     """max_batch 3 of 8 prompts: later prompts are admitted, and chunked, while others decode. Each chunk size
     in place on the same engine (reconfigure); the prefill tasks counted show the prompts were cut (and, fused,
     rode verifies), and a budget that all the prompts fit takes as many prefill tasks as whole prompts do (it cuts
-    nothing)."""
-    llm = LLM(tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3,
-              torch_threads=1, **({"psd_high_load": "psd"} if mode == "psd" else {}))
+    nothing). The engines are test_runtime.py's sd and psd (split at every load), shared (tests/engines.py): the
+    test puts the budget back as it found it."""
+    llm = shared_engines.get(tiny_llama, tiny_llama_draft, **(TINY_PSD if mode == "psd" else TINY_SD))
+    found = llm.info()
     try:
         prompt_lengths = [len(llm._encode(p)) for p in PROMPTS]
         assert max(prompt_lengths) > 100 and len(set(prompt_lengths)) == len(PROMPTS)
@@ -68,7 +70,8 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(ray_cluster, tiny_llama, 
         assert fused_at[13, True] > 0 and fused_at[fits, True] > 0, fused_at
         assert fused_at[1, True] == fused_at[3, True] == fused_at[7, False] == fused_at[0, False] == 0, fused_at
     finally:
-        llm.shutdown()
+        reconfigure_when_idle(llm, prefill_chunk_tokens=found["prefill_chunk_tokens"],
+                              fused_prefill=found["fused_prefill"])
 
 
 def test_drafter_killed_mid_chunked_prefill_fails_no_request(ray_cluster, tiny_llama, tiny_llama_draft, reference):

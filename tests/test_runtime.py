@@ -10,6 +10,7 @@ import ray
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
+from engines import TINY_PSD, TINY_SD
 from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
                             links_in_flight, links_listening_everywhere, reconfigure_when_idle, settled,
                             whole_tables)
@@ -49,15 +50,14 @@ def test_an_incompatible_draft_is_refused_by_llm_and_the_serve_builder(tiny_llam
 
 SAMPLED_DRAFTS = {"draft_temperature": 0.3, "draft_top_k": 8}   # q cut to 8 of 512 tokens, sent packed
 # psd over the object store, split at every load: one engine for the tests that leave it as they found it (the
-# greedy check, staggered arrivals and aborts, k reconfigured in place; an engine's start is most of such a test)
-SHARED_PSD = {"mode": "psd", "k": 3, "max_batch": 3, "psd_low_load": "psd", "psd_high_load": "psd"}
+# greedy check, staggered arrivals and aborts, k reconfigured in place; an engine's start is most of such a test),
+# shared with test_chunked_prefill.py (tests/engines.py)
+SHARED_PSD = TINY_PSD
 
 
-@pytest.fixture(scope="module")
-def shared_psd(ray_cluster, tiny_llama, tiny_llama_draft):
-    llm = LLM(tiny_llama, tiny_llama_draft, torch_threads=1, **SHARED_PSD)
-    yield llm
-    llm.shutdown()
+@pytest.fixture
+def shared_psd(shared_engines, tiny_llama, tiny_llama_draft):
+    return shared_engines.get(tiny_llama, tiny_llama_draft, **SHARED_PSD)
 
 
 # every mode, every channel, greedy and sampled drafts, each at least once (suite time: not every pairing)
@@ -66,15 +66,18 @@ def shared_psd(ray_cluster, tiny_llama, tiny_llama_draft):
     ("sd_split", "collective", {}), ("psd", "collective", SAMPLED_DRAFTS), ("sd_split", "ray_collective", {}),
     ("psd", "ray_collective", SAMPLED_DRAFTS)], ids=lambda v: ("sampled_drafts" if v else "greedy_drafts")
                                             if isinstance(v, dict) else None)
-def test_greedy_modes_equal_ar(request, ray_cluster, tiny_llama, tiny_llama_draft, reference, mode, transport,
+def test_greedy_modes_equal_ar(shared_engines, tiny_llama, tiny_llama_draft, reference, mode, transport,
                                drafting):
     # psd splits whenever more than one batch's worth runs (psd_high_load=psd; the shared engine at every load): the
     # split's output is checked; with probabilistic drafting the drafts (and their packed q) travel the link, and
-    # greedy output is still ar's
-    shared = (mode, transport, drafting) == ("psd", "object_store", {})
-    llm = request.getfixturevalue("shared_psd") if shared else LLM(
+    # greedy output is still ar's. psd's and sd's object-store engines are the shared ones (tests/engines.py), so
+    # the counters are read as changes
+    shared = (mode, transport, drafting) in (("psd", "object_store", {}), ("sd", "object_store", {}))
+    llm = shared_engines.get(tiny_llama, tiny_llama_draft, **(SHARED_PSD if mode == "psd" else TINY_SD)) \
+        if shared else LLM(
         tiny_llama, None if mode == "ar" else tiny_llama_draft, mode=mode, k=3, max_batch=3, torch_threads=1,
         transport=transport, **({"psd_high_load": "psd"} if mode == "psd" else {}), **drafting)
+    before, steps_before = llm.info(), len(llm.history())
     try:
         if mode in ("psd", "sd_split"):
             gpus = {llm.worker_info["verifier"]["gpu_ids"][0], llm.worker_info["drafter"]["gpu_ids"][0]}
@@ -84,20 +87,23 @@ def test_greedy_modes_equal_ar(request, ray_cluster, tiny_llama, tiny_llama_draf
         if mode != "ar":
             rate = sum(o.stats["accepted"] for o in outs) / sum(o.stats["drafted"] for o in outs)
             assert 0.3 <= rate <= 0.9, rate
-        history = llm.history()
+        history = llm.history()[steps_before:]
+        info = llm.info()
+        change = {name: info[name] - before[name] for name in ("drafter_prefills", "queued_behind",
+                                                               "drafts_ahead_used")}
         if mode == "psd":
             assert any(h.regime == "psd" for h in history)
             check_balance(history, max_batch=3)
-            assert llm.info()["balance_violations"] == 0
+            assert info["balance_violations"] == 0
         # psd and sd_split prefill the drafter beside the verifier (sd's worker prefills both itself)
-        assert (llm.info()["drafter_prefills"] > 0) == (mode in ("psd", "sd_split")), llm.info()
+        assert (change["drafter_prefills"] > 0) == (mode in ("psd", "sd_split")), (change, info)
         # sd and ar build steps from the verifier's slot state, so the next one is queued behind the running one
-        assert (llm.info()["queued_behind"] > 0) == (mode in ("sd", "ar")), llm.info()
+        assert (change["queued_behind"] > 0) == (mode in ("sd", "ar")), (change, info)
         # psd and sd_split draft each batch's next round behind its verify, and nearly every verify uses one
         if mode in ("psd", "sd_split"):
-            assert llm.info()["drafts_ahead_used"] >= 0.8 * sum(h.drafted > 0 for h in history), llm.info()
+            assert change["drafts_ahead_used"] >= 0.8 * sum(h.drafted > 0 for h in history), (change, info)
         else:
-            assert llm.info()["drafts_ahead_used"] == 0
+            assert info["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
         if transport in ("collective", "ray_collective"):   # every message was taken (rounds nobody named, drained)
             deadline = time.time() + 5

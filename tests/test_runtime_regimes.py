@@ -7,6 +7,7 @@ import pytest
 
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM
+from engines import TINY_SD
 from runtime_common import LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy
 
 
@@ -107,16 +108,14 @@ def test_psd_low_load_runs_sequentially(ray_cluster, tiny_llama, tiny_llama_draf
         llm.shutdown()
 
 
-# sd with every output streamed as it comes: one engine for seeded sampling and the unmerged stream (an engine's
-# start is most of either test); generate() collects outputs without the stream interval
-SHARED_SD = {"mode": "sd", "k": 3, "max_batch": 3, "stream_interval_ms": 0.0}
+# sd with every output streamed as it comes (tests/engines.py: test_runtime.py's sd engine, shared): one engine for
+# seeded sampling and the unmerged stream (an engine's start is most of either test)
+SHARED_SD = TINY_SD
 
 
-@pytest.fixture(scope="module")
-def shared_sd(ray_cluster, tiny_llama, tiny_llama_draft):
-    llm = LLM(tiny_llama, tiny_llama_draft, torch_threads=1, **SHARED_SD)
-    yield llm
-    llm.shutdown()
+@pytest.fixture
+def shared_sd(shared_engines, tiny_llama, tiny_llama_draft):
+    return shared_engines.get(tiny_llama, tiny_llama_draft, **SHARED_SD)
 
 
 @pytest.mark.parametrize("mode", ["psd", "sd"])   # ar's: test_runtime.py, on its greedy test's ar engine
