@@ -101,7 +101,10 @@ def test_smoke(ray_cluster, tmp_path):
     assert 0 <= closed["ingress_loop_lag_p50_ms"] <= closed["ingress_loop_lag_p99_ms"]
     assert closed["ingress_loop_lag_mean_ms"] >= 0
     assert 0 <= closed["flush_late_p50_ms"] <= closed["flush_late_p99_ms"]
-    assert closed["burst_admitted_s"] > 0 and closed["chunk_gap_steady_p50_ms"] <= closed["chunk_gap_steady_p99_ms"]
+    # steady gaps begin after the last first chunk: none when the last streams' few tokens were all made before
+    # their responses started and went out as one chunk (coalescing, by design; the split is unit-tested above)
+    steady = closed["chunk_gap_steady_p50_ms"], closed["chunk_gap_steady_p99_ms"]
+    assert closed["burst_admitted_s"] > 0 and (steady == (None, None) or steady[0] <= steady[1])
     online = next(r for r in rows if r["workload"] == "online")
     assert online["engine_steps"] > 0 and online["ingress_gap_p99_ms"] is not None
     assert online["load"] == 0.5 and online["rate_rps"] > 0 and online["errors"] == 0, online["first_error"]
