@@ -494,6 +494,18 @@ def test_rows_launch_shape_is_a_decode_steps():
         assert rows == 4 * width and (block_m, block_n, splits) == launch_shape(batch, width, 32, 8, 4106, 128, cpu)
     assert rows_launch_shape(32, 1, 4, 8, 128, 4106, 132)[3] == 2   # 256 programs: two splits fill 2 x 132 SMs
     assert rows_launch_shape(16, 1, 4, 8, 128, 40, 132)[3] == 1     # never more splits than key tiles
+    # a row of 9 tokens x 8 query heads per KV head (k = 8, a 70B-class GQA) holds 72 query rows: a program takes
+    # at most 64, as the decode kernel's BLOCK_M
+    block_m, rows, *_ = rows_launch_shape(8 * 9, 9, 8, 8, 128, 4106, 132)
+    assert rows == 64 and block_m == launch_shape(8, 9, 64, 8, 4106, 128, cpu)[0] == 64
+
+
+@interpreter_only
+def test_packed_rows_mode_rows_wider_than_a_program(attend_packed_cpu):
+    """Rows of 9 tokens x 8 query heads (72 query rows) split over programs of 64: still the reference."""
+    case = make_packed_case(PACKED_REQUESTS, 8, head_dim=16, dtype=torch.float32)
+    out = paged(attend_packed_cpu, case, 4, scale=0.25, row_width=9, num_splits=3, block_n=16)
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[torch.float32])
 
 
 @interpreter_only

@@ -131,7 +131,7 @@ def rows_launch_shape(tokens: int, width: int, groups: int, kv_heads: int, head_
     As attention_triton.launch_shape picks them for a decode step of the same rows: a program per row and KV head
     (its width x G query rows, at least 16 for tl.dot), the keys split until the programs fill the SMs twice over
     (CONFIG), never into more pieces than key tiles a slot holds."""
-    rows = min(width * groups, 128)
+    rows = min(width * groups, 64)   # as the decode kernel caps BLOCK_M: registers and shared memory per program
     block_m = max(16, triton.next_power_of_2(rows))
     block_n = CONFIG.BLOCK_N if head_dim <= 128 else CONFIG.BLOCK_N // 2
     programs = triton.cdiv(tokens * groups, rows) * kv_heads
