@@ -50,3 +50,14 @@ def test_preemptions_per_request_from_final_stats():
         (s.labels["le"], s.value) for f in text_string_to_metric_families(metrics.render().decode())
         for s in f.samples if s.name == "vllm:request_num_preemptions_bucket")}
     assert buckets["1.0"] == 3 and buckets["2.0"] == 3 and buckets["3.0"] == 4 and buckets["+Inf"] == 4
+
+
+def test_ttft_counts_from_the_requests_arrival():
+    """The ingress passes the HTTP request's arrival: time queued for an admission slot is part of TTFT."""
+    import time
+
+    metrics = APIMetrics("m", num_spec_tokens=2)
+    metrics.request(prompt_tokens=5, arrival=time.perf_counter() - 2.0).on_tokens(1)   # waited 2 s to be admitted
+    values = scraped(metrics)
+    assert values["vllm:time_to_first_token_seconds_count"] == 1
+    assert values["vllm:time_to_first_token_seconds_sum"] >= 2.0

@@ -560,7 +560,7 @@ class OpenAIServer:
         return params
 
     async def _submit(self, prompts: list[list[int]], req, max_tokens: int | None, num_logprobs: int | None,
-                      param: str, request_id: str) -> list[Choice]:
+                      param: str, request_id: str, arrived: float) -> list[Choice]:
         """One Choice per (prompt, n), submitted to the engine: choice i of a prompt gets seed + i."""
         if len(prompts) * req.n > self.config.max_running:
             raise APIError(400, f"n x prompts = {len(prompts) * req.n} exceeds the {self.config.max_running} "
@@ -577,7 +577,7 @@ class OpenAIServer:
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
                 choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}",
-                                      self.tokenizer, self.metrics.request(len(prompt)), self.eos_token_ids))
+                                      self.tokenizer, self.metrics.request(len(prompt), arrived), self.eos_token_ids))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
@@ -746,15 +746,17 @@ class OpenAIServer:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
+        arrived = time.perf_counter()
         body = await self._read_body(request)   # a slow client's body holds no admission slot
+        limit = await self._context_limit()     # nor does the first wait for the engine's answer (then cached)
         async with self._admission():
             req: CompletionRequest = await self._off_loop(parse, CompletionRequest, body)
             req.check()
             self._check_model(req.model)
-            prompts = await self._off_loop(self._completion_prompts, req.prompt, await self._context_limit())
+            prompts = await self._off_loop(self._completion_prompts, req.prompt, limit)
             self.ignored.note("completions", req.ignored_fields())
             request_id = request_id_of(request.scope)
-            choices = await self._submit(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id)
+            choices = await self._submit(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id, arrived)
         # the engine's answer is awaited outside the slot: an engine restarting takes seconds to answer
         choices = await self._accepted(choices)
         return await self._respond(req, choices, sum(map(len, prompts)), "text_completion", request_id)
@@ -762,16 +764,18 @@ class OpenAIServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
+        arrived = time.perf_counter()
         body = await self._read_body(request)
+        limit = await self._context_limit()
         async with self._admission():
             req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, body)
             req.check()
             self._check_model(req.model)
             self.ignored.note("chat/completions", req.ignored_fields())
-            prompt = await self._off_loop(self._chat_prompt, req, await self._context_limit())
+            prompt = await self._off_loop(self._chat_prompt, req, limit)
             request_id = request_id_of(request.scope)
             choices = await self._submit([prompt], req, req.max_new_tokens, req.num_logprobs(), "messages",
-                                         request_id)
+                                         request_id, arrived)
         choices = await self._accepted(choices)
         return await self._respond(req, choices, len(prompt), "chat.completion", request_id)
 

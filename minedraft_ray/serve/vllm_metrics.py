@@ -125,8 +125,9 @@ class APIMetrics:
                                        "Requests that waited for an admission slot (serve/app.py ADMITTING_AT_ONCE): "
                                        "a burst admitted in slices", registry=self.registry)
 
-    def request(self, prompt_tokens: int) -> "RequestTimer":
-        return RequestTimer(self, prompt_tokens)
+    def request(self, prompt_tokens: int, arrival: float | None = None) -> "RequestTimer":
+        """`arrival` (perf_counter): when the HTTP request came in, so TTFT counts its wait for admission too."""
+        return RequestTimer(self, prompt_tokens, arrival)
 
     def set_engine_state(self, info: dict) -> None:
         """From BatchManager.info(). KV usage is the share of the target's KV blocks that requests hold (its pool
@@ -149,10 +150,10 @@ class APIMetrics:
 class RequestTimer:
     """One engine request (one choice) as the ingress sees it; every method is O(1) and per engine output."""
 
-    def __init__(self, metrics: APIMetrics, prompt_tokens: int):
+    def __init__(self, metrics: APIMetrics, prompt_tokens: int, arrival: float | None = None):
         self.metrics = metrics
         self.prompt_tokens = prompt_tokens
-        self.arrival = time.perf_counter()
+        self.arrival = time.perf_counter() if arrival is None else arrival
         self.last_token: float | None = None
         self.done = False
 
