@@ -40,6 +40,12 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def run_context(shape: str, dtype: torch.dtype, device: torch.device, module: str, argv: list[str] | None) -> dict:
+    """The columns every row of a kernel/step benchmark carries: the shape, dtype, git sha, command and device."""
+    return {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "git_sha": git_sha(),
+            "command": command_line(module, argv), "device": device_name(device)}
+
+
 def versions() -> str:
     import transformers
     import triton

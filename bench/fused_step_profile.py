@@ -33,8 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from bench.common import (command_line, device_name, git_sha, markdown_table, say, synchronize, time_steps,
-                          versions, write_results)
+from bench.common import (markdown_table, run_context, say, synchronize, time_steps, versions, write_results)
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.presets import resolve_model
 from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner
@@ -225,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = max(args.batches) + 1   # the rows' slots and the chunk's
     runner = ModelRunner(model, device, num_slots=slots, max_len=args.max_len, max_batch=max(args.batches),
                          cuda_graphs=True)
-    context = {"shape": args.target, "dtype": str(dtype).removeprefix("torch."), "git_sha": git_sha(),
-               "command": command_line("bench.fused_step_profile", argv), "device": device_name(device)}
+    context = run_context(args.target, dtype, device, "bench.fused_step_profile", argv)
     out = Path(args.out or ("/tmp/fused_step_profile_smoke" if args.smoke else "bench/results"))
     rows: list[dict] = []
 

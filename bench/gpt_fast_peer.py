@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import command_line, device_name, fmt, git_sha, say, time_steps, write_results
+from bench.common import fmt, run_context, say, time_steps, write_results
 
 NAME = "gpt_fast_peer"
 COLUMNS = ["engine", "step", "batch", "tokens_per_row", "context", "ms", "ms_p90", "compile_s", "shape", "dtype",
@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     cfg = ModelConfig.from_pretrained(resolve_model(args.target))
-    context = {"shape": args.target, "dtype": str(dtype).removeprefix("torch."), "git_sha": git_sha(),
-               "command": command_line("bench.gpt_fast_peer", argv), "device": device_name(device)}
+    context = run_context(args.target, dtype, device, "bench.gpt_fast_peer", argv)
     notes = [f"shape {args.target} (random weights), {context['dtype']}; decode and verify with {args.context} "
              f"tokens in every slot, verify k + 1 = {args.k + 1} tokens per row; prefill one prompt of "
              f"{args.prefill_tokens} tokens",

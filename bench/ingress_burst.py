@@ -18,7 +18,6 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import command_line, git_sha, merge_by_config, write_results
-from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, make_prompts, percentile, read_itl, run_shard)
+from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, loop_lag, make_prompts, percentile, read_itl,
+                                   run_shard)
 
 NAME = "ingress_burst"   # on a CPU: ingress_burst_cpu
 COLUMNS = ["label", "device", "target", "running", "burst", "max_tokens", "ingress_replicas", "gap_before_p50_ms",
@@ -36,16 +36,6 @@ COLUMNS = ["label", "device", "target", "running", "burst", "max_tokens", "ingre
 TABLE_COLUMNS = ["label", "running", "burst", "ingress_replicas", "gap_before_p50_ms", "gap_before_p99_ms",
                  "gap_during_p50_ms", "gap_during_p99_ms", "loop_lag_during_mean_ms", "loop_lag_during_p99_ms",
                  "burst_ttft_p50_ms", "errors", "load_before"]
-
-
-def lag_between(before, after) -> tuple[float | None, float | None]:
-    """Mean and P99 (within the histogram's buckets) ms of the loop-lag probes between two scrapes."""
-    if before is None or after is None:
-        return None, None
-    delta = after.minus(before)
-    if not delta.counts or delta.counts[-1] <= 0:
-        return None, None
-    return delta.mean() * 1e3, delta.quantile(0.99) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     errors = [t.error for t in streams + admitted if t.error]
     ttft = [(t.chunks[0] - t.sent) * 1e3 for t in admitted if t.chunks]
 
-    lag_before, _ = lag_between(snapshots[0], snapshots[1])
-    lag_during, lag_during_p99 = lag_between(snapshots[1], snapshots[2])
+    # one ingress replica: each scrape's histogram (None: no probe yet) under one key
+    before_burst, at_burst, after_window = ({0: s} if s is not None else None for s in snapshots)
+    lag_before = loop_lag(before_burst, at_burst)["ingress_loop_lag_mean_ms"]
+    lag_during = loop_lag(at_burst, after_window)
+    lag_during, lag_during_p99 = lag_during["ingress_loop_lag_mean_ms"], lag_during["ingress_loop_lag_p99_ms"]
     row = {"label": args.label or f"{git_sha()} x{args.ingress_replicas}", "device": args.device,
            "target": args.target or "default", "running": args.running, "burst": args.burst,
            "max_tokens": args.max_tokens, "ingress_replicas": args.ingress_replicas,

@@ -264,34 +264,32 @@ def scrape_ingress(url: str, replicas: int, tries_per_replica: int = 10,
     return None
 
 
-def ingress_gaps(before: dict | None, after: dict | None) -> dict:
-    """P50/P99 of the ingress's inter-token latencies observed between two scrapes, summed over its replicas."""
-    out = {"ingress_gap_p50_ms": None, "ingress_gap_p99_ms": None}
+def replicas_delta(before: dict | None, after: dict | None) -> "BucketCounts | None":
+    """One histogram's observations between two scrapes (replica -> BucketCounts), summed over the replicas; None
+    unless both scrapes reached the same replicas."""
     if not before or not after or before.keys() != after.keys():
-        return out
+        return None
     delta = None
     for replica, hist in after.items():
         part = hist.minus(before[replica])
         delta = part if delta is None else delta.plus(part)
-    for q in (50, 99):
-        value = delta.quantile(q / 100)
-        out[f"ingress_gap_p{q}_ms"] = None if value is None else value * 1e3
-    return out
+    return delta
+
+
+def ingress_gaps(before: dict | None, after: dict | None) -> dict:
+    """P50/P99 of the ingress's inter-token latencies observed between two scrapes, summed over its replicas."""
+    delta = replicas_delta(before, after)
+    values = {} if delta is None else {q: delta.quantile(q / 100) for q in (50, 99)}
+    return {f"ingress_gap_p{q}_ms": None if values.get(q) is None else values[q] * 1e3 for q in (50, 99)}
 
 
 def loop_lag(before: dict | None, after: dict | None) -> dict:
     """The ingress replicas' event-loop lag between two scrapes: P50/P99 (bucket resolution) and the mean (exact),
     over the replicas' observations together."""
-    out = {"ingress_loop_lag_p50_ms": None, "ingress_loop_lag_p99_ms": None, "ingress_loop_lag_mean_ms": None}
-    if not before or not after or before.keys() != after.keys():
-        return out
-    delta = None
-    for replica, hist in after.items():
-        part = hist.minus(before[replica])
-        delta = part if delta is None else delta.plus(part)
-    for key, value in (("p50", delta.quantile(0.5)), ("p99", delta.quantile(0.99)), ("mean", delta.mean())):
-        out[f"ingress_loop_lag_{key}_ms"] = None if value is None else value * 1e3
-    return out
+    delta = replicas_delta(before, after)
+    values = {} if delta is None else {"p50": delta.quantile(0.5), "p99": delta.quantile(0.99), "mean": delta.mean()}
+    return {f"ingress_loop_lag_{key}_ms": None if values.get(key) is None else values[key] * 1e3
+            for key in ("p50", "p99", "mean")}
 
 
 def engine_gaps(records: list, steady_from: float | None = None) -> list[tuple[float, float]]:
