@@ -193,9 +193,10 @@ PACKED_REQUESTS = [(5, 0, 9), (0, 3, 6), (3, 0, 1), (2, 40 - 7, 7), (1, 0, 1)]
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("block_m", [16, 64])  # 16: blocks straddle requests; 64: one block holds several
 @pytest.mark.parametrize("block_size", [4, 32])
-def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m, block_size):
+@pytest.mark.parametrize("num_splits", [1, 3])   # 3: each block's keys split, then combined (a short launch)
+def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m, block_size, num_splits):
     case = make_packed_case(PACKED_REQUESTS, groups, head_dim=16, dtype=dtype)
-    out = paged(attend_packed_cpu, case, block_size, scale=0.25, block_m=block_m, block_n=16)
+    out = paged(attend_packed_cpu, case, block_size, scale=0.25, block_m=block_m, block_n=16, num_splits=num_splits)
     assert out.dtype == dtype and out.shape == case[0].shape
     torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[dtype])
 
@@ -456,6 +457,19 @@ def test_packed_tiles_follow_the_launch():
     for tokens in (100, 8192):
         assert launch_shape(tokens, 4, 8, 128, torch.float32, 132) == (64, 32, 4)
         assert launch_shape(tokens, 4, 8, 256, bf16, 132) == (64, 32, 4)
+
+
+def test_short_prefill_launches_split_their_keys():
+    """A launch whose prefill blocks fill the SMs keeps one split; a short one (a small chunk late in a long
+    prompt) splits its keys until the programs fill them, never into more pieces than a slot has key tiles."""
+    from minedraft_ray.engine.attention_packed_triton import prefill_splits
+
+    # 8B heads on 132 SMs, 64-row blocks: programs = ceil(tokens * 4 / 64) * 8
+    assert prefill_splits(2112, 4, 8, 64, 64, 4096, 132) == 1        # 1056 programs
+    assert prefill_splits(96, 4, 8, 64, 64, 4096, 132) == 3          # 48 programs: a chunk beside 32 rows
+    assert prefill_splits(16, 4, 8, 64, 64, 4096, 132) == 17         # 8 programs
+    assert prefill_splits(16, 4, 8, 64, 64, 256, 132) == 4           # no more splits than key tiles
+    assert prefill_splits(1, 4, 8, 64, 64, 1 << 20, 132) == 17
 
 
 @interpreter_only

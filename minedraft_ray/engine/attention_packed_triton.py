@@ -10,6 +10,9 @@ kernel merges (attention_triton's combine), as a decode step's flash-decoding ke
 are the whole context, so without the split a few programs would walk every row's context alone while most SMs
 idle.
 
+Prefill blocks split their keys the same way when a launch is too short to fill the SMs (prefill_splits): a
+small chunk late in a long prompt would otherwise leave a few programs each walking the whole prefix.
+
 A block of rows may straddle a request boundary. The program then walks the distinct slots among its rows
 (one pass each, smallest slot id first), every pass reading keys 0..max position of that slot's rows and
 masking the other rows out; the per-row softmax state carries over the passes. Inside one request the block
@@ -124,6 +127,18 @@ def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: 
     return 64, 64, 8
 
 
+def prefill_splits(tokens: int, groups: int, kv_heads: int, block_m: int, block_n: int, max_keys: int,
+                   sm_count: int) -> int:
+    """Key splits for a launch of prefill blocks: one while its programs fill the SMs; more for a short launch
+    (a small chunk, a suffix over a cached prefix), whose few programs would each walk a long prefix alone while
+    most SMs idle. One wave, not a decode step's two: a short launch's tokens are often a fresh prompt with few
+    keys, whose extra splits only exit empty."""
+    programs = triton.cdiv(tokens * groups, block_m) * kv_heads
+    if programs >= sm_count:
+        return 1
+    return max(1, min(triton.cdiv(sm_count, programs), triton.cdiv(max_keys, block_n), CONFIG.MAX_SPLITS))
+
+
 def rows_launch_shape(tokens: int, width: int, groups: int, kv_heads: int, head_dim: int, max_keys: int,
                       sm_count: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, rows per program, BLOCK_N, splits, num_warps) for `tokens` decode/verify tokens in rows of `width`.
@@ -176,8 +191,9 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         rows = min(rows, block_m)
     else:
         default_m, default_n, default_warps = launch_shape(T, G, Hkv, D, q.dtype, num_sms(q.device))
-        default_splits, block_m = 1, block_m or default_m
+        block_m = block_m or default_m
         rows = block_m
+        default_splits = prefill_splits(T, G, Hkv, block_m, block_n or default_n, R, num_sms(q.device))
     block_n, num_warps = block_n or default_n, num_warps or default_warps
     num_splits = num_splits or default_splits
     direct = num_splits == 1
