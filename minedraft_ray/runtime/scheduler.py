@@ -20,11 +20,12 @@ front of the verify it plans (in psd, half the budget while it splits and reques
 period then spans both batches' verifies). The prompts admitted and not yet all planned share it
 (`prefill_order`): by default the prompt with the fewest tokens left goes first, so a short prompt admitted
 behind a long one is not kept waiting for all of the long one's chunks (in psd members of the batch just
-committed go first, so a chunk rides with its own batch's verify); a prompt that later admitted ones have
-overtaken by as many tokens as its own prefill holds is due, and due prompts go first, in admission order, so
-none is starved (its prefill waits for at most its own length of later prompts, plus one budget). `arrival`
-hands the budget out in admission order (first come, first served). The task's chunks keep admission order
-whatever the shares (so a budget every prompt fits plans what whole prompts plan). A running request's
+committed go first, so a chunk rides with its own batch's verify). A prompt that later admitted ones have
+overtaken by one budget's tokens (or its own prefill's, when fewer) is due, and due prompts go first, in
+admission order: no prompt starves, and none waits for more than two budgets of later prompts' tokens, so the
+long prompts that hold the TTFT tail lose at most about two steps to the short ones. `arrival` hands the budget
+out in admission order (first come, first served). The task's chunks keep admission order whatever the shares
+(so a budget every prompt fits plans what whole prompts plan). A running request's
 time between tokens thus grows by at most one chunk's time. While nothing decodes there is nothing to
 stall: chunks take the whole budget, back to back until one completes a prompt. A request rides no verify and no
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
@@ -104,7 +105,7 @@ class PlannedBlocks(BlockManager):
 class PrefillOrder(enum.Enum):
     """Who gets a step's prefill budget first, among the prompts admitted and not yet all planned."""
     ARRIVAL = "arrival"      # admission order: first come, first served
-    SHORTEST = "shortest"    # fewest prompt tokens left first; a prompt overtaken by its own length is due first
+    SHORTEST = "shortest"    # fewest prompt tokens left first; a prompt overtaken by a budget's tokens is due first
 
 
 class Status(enum.Enum):
@@ -153,11 +154,6 @@ class RequestState:
     def ready(self) -> bool:
         """Its whole prefill is planned: it may ride a verify (behind its last chunk) and a draft round."""
         return self.prompt_planned == self.prefill_len
-
-    @property
-    def prefill_due(self) -> bool:
-        """Later admitted prompts have overtaken it by as many tokens as its prefill computes: it goes first."""
-        return self.overtaken >= self.prefill_len - self.cached_tokens
 
     @property
     def takes_first_token(self) -> bool:
@@ -824,8 +820,8 @@ class Scheduler:
         fewest tokens left first; `arrival`: in `pending`'s order."""
         order = pending
         if self.config.prefill_order is PrefillOrder.SHORTEST:
-            due = sorted((s for s in pending if s.prefill_due), key=lambda s: s.admitted_at)
-            rest = sorted((s for s in pending if not s.prefill_due),
+            due = sorted((s for s in pending if self.prefill_due(s)), key=lambda s: s.admitted_at)
+            rest = sorted((s for s in pending if not self.prefill_due(s)),
                           key=lambda s: (id(s) not in mine, s.prefill_len - s.prompt_planned, s.admitted_at))
             order = due + rest
         shares = {}
@@ -841,6 +837,11 @@ class Scheduler:
                 s.overtaken += later
             later += shares.get(id(s), 0)
         return shares
+
+    def prefill_due(self, s: RequestState) -> bool:
+        """Later admitted prompts have overtaken s by one budget's tokens, or by its own prefill's when fewer
+        (short-first ordering no longer passes it over)."""
+        return s.overtaken >= min(s.prefill_len - s.cached_tokens, self.config.prefill_budget or UNBOUNDED)
 
     def _drop_ahead(self, b: int, plan: SchedulePlan) -> None:
         ahead, self.draft_ahead[b] = self.draft_ahead[b], None
