@@ -367,6 +367,8 @@ PLOTS = {
     "ingress_burst": plot_ingress_burst,
     "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
+    "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
+                                  "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),
     "real_traffic": plot_real_traffic,
     "host_overhead_cpu": plot_host_overhead,
     "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",

@@ -1,7 +1,8 @@
 """The GPU-only bench scripts run end to end in their --smoke form on the CPU (tiny shapes), so they do not
 rot between GPU sessions: GEMM layout sweep, graphed vs eager prefill (each writes its parquet, md and png),
 the drafter-kill drill, the payload hop over every route, and psd_vs_sd comparing two draft channels in one
-call (the last three in the session's Ray cluster, 2 fake GPUs)."""
+call (the last three in the session's Ray cluster, 2 fake GPUs); and the prefill-order replay (the scheduler
+alone)."""
 import json
 import os
 import subprocess
@@ -129,6 +130,28 @@ def test_fused_step_profile_smoke(tmp_path):
     assert header == "| kernel | decode | fused 8@0 | fused 8@24 | fused 16@0 | fused 16@24 |"
     assert "| total (all kernels) |" in md
     assert (tmp_path / "fused_step_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_order_sim_smoke(tmp_path):
+    """The prefill-order replay (the scheduler alone, a step-cost model, in process): every order at every budget
+    and long-prompt count, written with the command and the cost model; chunking bounds the gap ratio that whole
+    prompts blow up, the added tail prompts each open a window, and short-first lowers the median TTFT where the
+    budget cuts prompts most."""
+    from bench.prefill_order_sim import COLUMNS, main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = pq.read_table(tmp_path / "prefill_order_sim.parquet").to_pylist()
+    assert list(rows[0]) == COLUMNS
+    by = {(r["order"], r["budget"], r["long_prompts"]): r for r in rows}
+    assert set(by) == {(o, b, n) for n in (0, 2) for o, b in
+                       [("whole", 0), ("arrival", 256), ("shortest", 256), ("arrival", 128), ("shortest", 128)]}
+    assert all(r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["requests"] > 0 for r in rows)
+    assert all(by[o, b, 2]["n_long"] >= 2 for o, b, _ in by)
+    assert all(by[o, b, 2]["long_over_quiet"] < by["whole", 0, 2]["long_over_quiet"] for o, b, _ in by if b)
+    assert by["shortest", 128, 2]["ttft_p50_ms"] < by["arrival", 128, 2]["ttft_p50_ms"]
+    md = (tmp_path / "prefill_order_sim.md").read_text()
+    assert "`python -m bench.prefill_order_sim --smoke" in md and "verify_ms 6" in md and "a model" in md
+    assert (tmp_path / "prefill_order_sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 GPT_FAST = ROOT / "third_party" / "gpt-fast"
