@@ -10,7 +10,8 @@ A task costs (--cost, milliseconds):
   prefill_ms_per_token` x its tokens.
 Budget 0: whole prompts (unchunked, packed: no padding). Per configuration, --seeds runs of --seconds of Poisson
 arrivals at --rate requests/s (real_traffic's Workload and request ids; --long-prompts adds its online_long
-prompts); the rows hold the mean (and for TTFT P99 the median) over the seeds.
+prompts); the rows hold the mean (and for TTFT P99 the median) over the seeds. --cost may be given more than once
+(a row set per model: what a cheaper fused step would change); --note lines go into the md.
 
     python -m bench.prefill_order_sim --rate 6.25 --cost verify_ms=6.1,fused_fixed_ms=3.0,...   # seconds a config
     python -m bench.prefill_order_sim --smoke          # a few seeds, seconds
@@ -34,10 +35,11 @@ from minedraft_ray.runtime.scheduler import (KVPoolSpec, PrefillOrder, PrefillPl
                                              SchedulerConfig, VerifyPlan)
 
 NAME = "prefill_order_sim"
-COLUMNS = ["order", "budget", "long_prompts", "rate_rps", "seeds", "requests", "ttft_p50_ms", "ttft_p99_ms",
-           "ttft_p99_median_ms", "gap_p99_ms", "n_long", "long_over_quiet", "cost", "git_sha", "command", "device"]
-TABLE = ["order", "budget", "long_prompts", "rate_rps", "seeds", "requests", "ttft_p50_ms", "ttft_p99_ms",
-         "ttft_p99_median_ms", "gap_p99_ms", "n_long", "long_over_quiet"]
+COLUMNS = ["fused_fixed_ms", "order", "budget", "long_prompts", "rate_rps", "seeds", "requests", "ttft_p50_ms",
+           "ttft_p99_ms", "ttft_p99_median_ms", "gap_p99_ms", "n_long", "long_over_quiet", "cost", "git_sha", "command",
+           "device"]
+TABLE = ["fused_fixed_ms", "order", "budget", "long_prompts", "rate_rps", "seeds", "requests", "ttft_p50_ms",
+         "ttft_p99_ms", "ttft_p99_median_ms", "gap_p99_ms", "n_long", "long_over_quiet"]
 MAX_BATCH = 32
 BLOCK = 16
 
@@ -142,7 +144,9 @@ def mean(runs: list[dict], key: str) -> float | None:
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cost", help="the step-cost model: " + ",".join(f"{f.name}=MS" for f in fields(StepCost)))
+    p.add_argument("--cost", action="append", help="the step-cost model: " +
+                   ",".join(f"{f.name}=MS" for f in fields(StepCost)) + " (repeatable)")
+    p.add_argument("--note", action="append", default=[], help="a line for the md (where the costs come from)")
     p.add_argument("--rate", type=float, help="arrivals per second")
     p.add_argument("--budgets", default="0,256,128", help="prefill budgets (0: whole prompts, unchunked)")
     p.add_argument("--orders", default="arrival,shortest")
@@ -153,8 +157,8 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="a small made-up cost, three seeds of 3 s")
     args = p.parse_args(argv)
     if args.smoke:
-        args.cost = args.cost or ("verify_ms=6,fused_fixed_ms=3,fused_ms_per_token=0.005,prefill_fixed_ms=2,"
-                                  "prefill_ms_per_token=0.03")
+        args.cost = args.cost or ["verify_ms=6,fused_fixed_ms=3,fused_ms_per_token=0.005,prefill_fixed_ms=2,"
+                                  "prefill_ms_per_token=0.03"]
         args.rate, args.seeds, args.seconds, args.long_prompts = args.rate or 6.0, 3, 3.0, "0,2"
     if args.cost is None or args.rate is None:
         p.error("--cost and --rate are required (the device's step costs and arrival rate)")
@@ -164,9 +168,9 @@ def parse(argv):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    cost, work = StepCost.parse(args.cost), Workload()
+    costs, work = [StepCost.parse(c) for c in args.cost], Workload()
     rows = []
-    for long_prompts in (int(n) for n in args.long_prompts.split(",")):
+    for cost, long_prompts in ((c, int(n)) for c in costs for n in args.long_prompts.split(",")):
         for budget in (int(b) for b in args.budgets.split(",")):
             for order in (PrefillOrder(o) for o in args.orders.split(",")):
                 if not budget and order is not PrefillOrder.SHORTEST:
@@ -174,28 +178,28 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [online_stats(replay(order, budget, cost, work, arrivals(args.rate, args.seconds, 600 + seed,
                                                                                 long_prompts)), work.long_tokens)
                         for seed in range(args.seeds)]
-                row = {"order": order.value if budget else "whole", "budget": budget, "long_prompts": long_prompts,
+                row = {"fused_fixed_ms": cost.fused_fixed_ms, "order": order.value if budget else "whole", "budget": budget, "long_prompts": long_prompts,
                        "rate_rps": args.rate, "seeds": args.seeds, "requests": mean(runs, "completed"),
                        "ttft_p50_ms": mean(runs, "ttft_p50_ms"), "ttft_p99_ms": mean(runs, "ttft_p99_ms"),
                        "ttft_p99_median_ms": statistics.median(r["ttft_p99_ms"] for r in runs),
                        "gap_p99_ms": mean(runs, "gap_p99_ms"), "n_long": mean(runs, "n_long"),
                        "long_over_quiet": mean(runs, "long_over_quiet"), "cost": cost.describe()}
                 rows.append(row)
-                say(f"+{long_prompts} long, budget {budget}, {row['order']}: TTFT P50 {fmt(row['ttft_p50_ms'])} "
-                    f"P99 {fmt(row['ttft_p99_ms'])} ms")
+                say(f"fixed {cost.fused_fixed_ms} ms, +{long_prompts} long, budget {budget}, {row['order']}: TTFT P50 "
+                    f"{fmt(row['ttft_p50_ms'])} P99 {fmt(row['ttft_p99_ms'])} ms")
     out = Path(args.out or ("/tmp/prefill_order_sim_smoke" if args.smoke else "bench/results"))
     command = command_line("bench.prefill_order_sim", argv)
     rows = [{**r, "command": command, "device": "CPU (the scheduler alone, a step-cost model)"} for r in rows]
     notes = [work.describe() + f"; Poisson arrivals at {args.rate} requests/s for {args.seconds:.0f} s, seeds "
              f"600..{599 + args.seeds} (request ids of their own per seed); long_prompts: online_long's added tail "
              "prompts (bench/real_traffic.py)",
-             f"ar, max_batch {MAX_BATCH}, fused prefill (budget 0: whole prompts, packed); step-cost model (ms): "
-             f"{cost.describe()}",
+             f"ar, max_batch {MAX_BATCH}, fused prefill (budget 0: whole prompts, packed); step-cost models (ms): "
+             + "; ".join(c.describe() for c in costs),
              "each value is the mean over the seeds of one run's statistic (ttft_p99_median_ms: the median of the runs' "
              "TTFT P99); long_over_quiet: real_traffic's gap ratio (P99 gap overlapping a long prompt's prefill / "
              "median gap overlapping none)",
              "a model, not a measurement: it orders the policies by what the scheduler decides, at the step costs "
-             "given; the device's numbers are bench/results/real_traffic.md's"]
+             "given; the device's numbers are bench/results/real_traffic.md's"] + args.note
     write_results(rows, out, NAME, COLUMNS, "Prefill order on the scheduler alone: TTFT and gaps from a step-cost "
                   "model", command, rows[0]["device"], notes, TABLE)
     say(f"wrote {out / NAME}.{{parquet,md,png}}")
