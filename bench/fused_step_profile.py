@@ -4,7 +4,8 @@ At the 8B shape (random weights, bf16, graphs on), rows of one token each (ar) o
 real-traffic prompts (lognormal, median 300, P99 3000 tokens, seed 0), time
 - decode: ModelRunner.step of the rows (chunk_tokens 0);
 - fused: ModelRunner.step_with_chunks of the same rows and one prompt chunk of C tokens continuing a prompt at
-  `--chunk-start` (the middle of a long prompt: the chunk attends its earlier tokens too);
+  each of --chunk-starts (its first chunk, the middle and the end of a long prompt: the chunk attends its earlier
+  tokens too);
 for every batch in --batches and C in --chunks; over_decode = fused / decode of the same rows, the factor by which
 a running request's gap grows while the chunk rides (issue 24's target: at most 2).
 - rows_attention: the rows' attention of one layer alone, three ways on the same tensors: `decode` (a decode step's
@@ -12,8 +13,10 @@ a running request's gap grows while the chunk rides (issue 24's target: at most 
   `blocks16` (the packed kernel in 16-row blocks without a key split: what fused launches ran before rows mode);
 - plan_*: the rows' attention programs and the longest program's key tiles (64 keys each) per layout, from the
   launch shapes alone (no device): a program walks its tiles in turn, so the longest one bounds the kernel;
-- kernels: per-kernel device time (torch.profiler, graph replays included) of one decode and one fused step at
-  --profile-batch rows and the largest chunk, in the md's second and third tables.
+- kernels: per-kernel device time (torch.profiler, graph replays included) of one decode step and of fused steps
+  at --profile-batch rows, for every chunk of --kernel-chunks at every start of --chunk-starts: in the md, one
+  table of the kernels (rows) by step (columns), so what a small chunk adds to a decode step (its fixed cost)
+  and what grows with the chunk or with its start are read side by side.
 gemm_tflop: the launch's linear-layer FLOPs (tokens after graph padding x 2 x weights); with ms it gives the rate.
 
     python -m bench.fused_step_profile                 # one H200, about two minutes
@@ -42,9 +45,8 @@ NAME = "fused_step_profile"
 COLUMNS = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
            "over_decode", "gemm_tflop", "programs", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
            "us", "share", "shape", "dtype", "git_sha", "command", "device"]
-TABLE = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "over_decode",
-         "gemm_tflop", "programs", "longest_tiles"]
-KERNEL_COLUMNS = ["step", "kernel", "calls", "us", "share"]
+TABLE = ["part", "variant", "batch", "chunk_tokens", "chunk_start", "launch_tokens", "graph_tokens", "ms",
+         "over_decode", "gemm_tflop", "programs", "longest_tiles"]
 BLOCK_N = 64   # the key tile both layouts walk
 
 
@@ -95,35 +97,38 @@ def rows_plan(lengths: list[int], groups: int, kv_heads: int, head_dim: int, max
 
 
 @torch.inference_mode()
-def time_steps_of(runner: ModelRunner, batch: int, chunks: list[int], chunk_start: int, reps: int, warmup: int,
-                  emit) -> None:
+def time_steps_of(runner: ModelRunner, batch: int, chunks: list[int], chunk_starts: list[int], reps: int,
+                  warmup: int, emit) -> None:
+    """The decode step of `batch` rows, then a fused step per chunk start and chunk size (0 in `chunks`: the
+    decode step)."""
     device, cfg = runner.device, runner.cfg
     lengths = contexts(batch, runner.max_len - 8)
     slots = torch.arange(batch, device=device)
     ids = torch.randint(16, cfg.vocab_size, (batch, 1), device=device)
     chunk_slot = batch   # the rows' slots are 0..batch-1
-    prompt = torch.randint(16, cfg.vocab_size, (chunk_start + max(chunks),)).tolist()
+    prompt = torch.randint(16, cfg.vocab_size, (max(chunk_starts) + max(chunks),)).tolist()
     runner.set_lengths(list(range(batch)), lengths)
-    common = {"batch": batch, "mean_context": statistics.fmean(lengths), "chunk_start": chunk_start}
+    common = {"batch": batch, "mean_context": statistics.fmean(lengths)}
 
     def reset():
         runner.set_lengths(list(range(batch)), lengths)
 
     decode_ms = None
-    for chunk in chunks:
+    for start, chunk in [(None, 0)] + [(start, c) for start in chunk_starts for c in chunks if c]:
         if chunk == 0:
             step = lambda: runner.step(slots, ids)   # noqa: E731
         else:
-            tokens = prompt[chunk_start:chunk_start + chunk]
-            step = lambda: runner.step_with_chunks(slots, ids, [chunk_slot], [chunk_start], [tokens])   # noqa: E731
-        times = sorted(time_steps(step, device, warmup, reps, f"b={batch} chunk={chunk}", before=reset))
+            tokens = prompt[start:start + chunk]
+            step = lambda: runner.step_with_chunks(slots, ids, [chunk_slot], [start], [tokens])   # noqa: E731
+        times = sorted(time_steps(step, device, warmup, reps, f"b={batch} chunk={chunk}@{start}", before=reset))
         ms = times[len(times) // 2]
         decode_ms = ms if chunk == 0 else decode_ms
         launch = batch + chunk
         padded = graph_tokens(runner, launch) if chunk else launch
         emit({**common, "part": "step", "variant": "decode" if chunk == 0 else "fused", "chunk_tokens": chunk,
-              "launch_tokens": launch, "graph_tokens": padded, "ms": ms, "ms_p90": times[int(len(times) * 0.9)],
-              "over_decode": ms / decode_ms if decode_ms else None, "gemm_tflop": gemm_tflop(cfg, padded)})
+              "chunk_start": start, "launch_tokens": launch, "graph_tokens": padded, "ms": ms,
+              "ms_p90": times[int(len(times) * 0.9)], "over_decode": ms / decode_ms,
+              "gemm_tflop": gemm_tflop(cfg, padded)})
 
 
 @torch.inference_mode()
@@ -159,21 +164,33 @@ def time_rows_attention(runner: ModelRunner, batch: int, reps: int, warmup: int,
         emit({**common, "variant": name, "ms": times[len(times) // 2], "ms_p90": times[int(len(times) * 0.9)]})
 
 
+def step_name(chunk: int, start: int | None) -> str:
+    """A profiled step's column in the kernel table: `decode`, or `fused C@S` (a C-token chunk from position S)."""
+    return "decode" if chunk == 0 else f"fused {chunk}@{start}"
+
+
 @torch.inference_mode()
-def kernel_table(runner: ModelRunner, batch: int, chunk: int, chunk_start: int, steps: int) -> dict[str, list[dict]]:
-    """Per-kernel device time of one decode and one fused step (mean over `steps` of each), largest first."""
+def kernel_tables(runner: ModelRunner, batch: int, steps_of: list[tuple[int, int | None]], steps: int
+                  ) -> dict[tuple[int, int | None], list[dict]]:
+    """Per-kernel device time of each step in `steps_of` ((chunk tokens, chunk start); chunk 0: the decode step),
+    the mean over `steps` of each -> (chunk, start) -> its kernels, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     device, cfg = runner.device, runner.cfg
     lengths = contexts(batch, runner.max_len - 8)
     slots = torch.arange(batch, device=device)
     ids = torch.randint(16, cfg.vocab_size, (batch, 1), device=device)
-    tokens = torch.randint(16, cfg.vocab_size, (chunk,)).tolist()
-    calls = {"decode": lambda: runner.step(slots, ids),
-             "fused": lambda: runner.step_with_chunks(slots, ids, [batch], [chunk_start], [tokens])}
+    prompt = torch.randint(16, cfg.vocab_size, (max(c + (s or 0) for c, s in steps_of),)).tolist()
+
+    def call_of(chunk: int, start: int | None):
+        if chunk == 0:
+            return lambda: runner.step(slots, ids)
+        return lambda: runner.step_with_chunks(slots, ids, [batch], [start], [prompt[start:start + chunk]])
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     tables = {}
-    for name, call in calls.items():
+    for key in steps_of:
+        call = call_of(*key)
         runner.set_lengths(list(range(batch)), lengths)
         call()   # its graph is captured (and compiled) outside the profile
         synchronize(device)
@@ -187,11 +204,27 @@ def kernel_table(runner: ModelRunner, batch: int, chunk: int, chunk_start: int, 
             on_device = event.device_type == torch.autograd.DeviceType.CUDA
             us = (event.self_device_time_total if on_device else event.self_cpu_time_total) / steps
             if us > 0 and on_device == (device.type == "cuda"):
-                rows.append({"step": name, "kernel": event.key[:90], "calls": event.count / steps, "us": us})
+                rows.append({"step": step_name(*key), "kernel": event.key[:90], "calls": event.count / steps,
+                             "us": us})
         total = sum(r["us"] for r in rows) or 1.0
         rows = sorted(rows, key=lambda r: -r["us"])
-        tables[name] = [{**r, "share": r["us"] / total} for r in rows]
+        tables[key] = [{**r, "share": r["us"] / total} for r in rows]
     return tables
+
+
+def kernel_pivot(tables: dict[tuple[int, int | None], list[dict]], top: int) -> tuple[list[dict], list[str]]:
+    """The kernels (rows: the `top` largest in any step, then the total of all) by step (columns, us per step)
+    -> (rows, columns)."""
+    names = [step_name(*key) for key in tables]
+    us = {(step_name(*key), r["kernel"]): r["us"] for key, table in tables.items() for r in table}
+    largest = {}
+    for (_, kernel), value in us.items():
+        largest[kernel] = max(largest.get(kernel, 0.0), value)
+    kernels = sorted(largest, key=lambda k: -largest[k])[:top]
+    rows = [{"kernel": k, **{n: us.get((n, k)) for n in names}} for k in kernels]
+    rows.append({"kernel": "total (all kernels)", **{n: sum(r["us"] for r in tables[key])
+                                                      for n, key in zip(names, tables)}})
+    return rows, ["kernel"] + names
 
 
 def parse(argv):
@@ -199,7 +232,10 @@ def parse(argv):
     p.add_argument("--target", default="random:llama-8b", help="the shape (random weights)")
     p.add_argument("--batches", default="16,32,64")
     p.add_argument("--chunks", default="0,64,128,256,512", help="chunk tokens per fused step (0: the decode step)")
-    p.add_argument("--chunk-start", type=int, default=1024, help="prompt tokens the chunk's slot already holds")
+    p.add_argument("--chunk-starts", default="0,1024,2816", help="prompt tokens the chunk's slot already holds: "
+                   "a prompt's first chunk, its middle, near its end")
+    p.add_argument("--kernel-chunks", default="64,128,512", help="chunk tokens of the profiled fused steps (each "
+                   "at every chunk start)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--profile-batch", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
@@ -208,10 +244,14 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny shape, fp32")
     args = p.parse_args(argv)
     if args.smoke:
-        args.target, args.batches, args.chunks, args.chunk_start = "random:tiny", "2,4", "0,8,16", 24
-        args.max_len, args.profile_batch, args.warmup, args.reps = 128, 4, 1, 3
+        args.target, args.batches, args.chunks, args.chunk_starts = "random:tiny", "2,4", "0,8,16", "0,24"
+        args.max_len, args.profile_batch, args.warmup, args.reps, args.kernel_chunks = 128, 4, 1, 3, "8,16"
     args.batches = [int(b) for b in args.batches.split(",")]
     args.chunks = sorted({int(c) for c in args.chunks.split(",")} | {0})
+    args.chunk_starts = [int(c) for c in args.chunk_starts.split(",")]
+    args.kernel_chunks = [int(c) for c in args.kernel_chunks.split(",")]
+    if max(args.chunk_starts) + max(args.chunks + args.kernel_chunks) > args.max_len - 8:
+        p.error("the latest chunk start plus the largest chunk must fit --max-len (less a verify's room)")
     return args
 
 
@@ -234,13 +274,14 @@ def main(argv: list[str] | None = None) -> int:
                      if v is not None))
 
     for batch in args.batches:
-        time_steps_of(runner, batch, args.chunks, args.chunk_start, args.reps, args.warmup, emit)
+        time_steps_of(runner, batch, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
         time_rows_attention(runner, batch, args.reps, args.warmup, emit)
-    kernels = kernel_table(runner, args.profile_batch, max(args.chunks), args.chunk_start, steps=5)
+    profiled = [(0, None)] + [(c, start) for c in args.kernel_chunks for start in args.chunk_starts]
+    kernels = kernel_tables(runner, args.profile_batch, profiled, steps=5)
     notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed buckets "
              f"{', '.join(map(str, PACKED_GRAPH_TOKENS))} tokens); rows of one token (ar) on slots whose contexts are "
              "real-traffic prompts (lognormal median 300, P99 3000, seed 0) plus 0..255 output tokens; the chunk "
-             f"continues a prompt at {args.chunk_start} tokens",
+             f"continues a prompt at {', '.join(map(str, args.chunk_starts))} tokens (chunk_start)",
              "ms: median of the timed steps (CUDA events); over_decode: fused ms / decode ms at the same rows",
              "rows_attention: one layer's attention of the rows alone; plan_*: programs and the longest program's "
              "64-key tiles from the launch shapes (no device)",
@@ -248,15 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results(rows, out, NAME, COLUMNS, "Fused step vs decode step: the chunk's cost and its kernels",
                          context["command"], context["device"], notes, TABLE)
     # the kernels go into the parquet with the rest, and into tables of their own in the md
-    kernel_rows = [{**context, "part": "kernels", "variant": r["step"], "batch": args.profile_batch,
-                    "chunk_tokens": max(args.chunks) if r["step"] == "fused" else 0, **r}
-                   for table in kernels.values() for r in table]
+    kernel_rows = [{**context, "part": "kernels", "variant": "decode" if chunk == 0 else "fused",
+                    "batch": args.profile_batch, "chunk_tokens": chunk, "chunk_start": start, **r}
+                   for (chunk, start), table in kernels.items() for r in table]
     pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows + kernel_rows]),
                    out / f"{NAME}.parquet")
-    sections = [f"\n## Kernels of one {name} step (b={args.profile_batch}"
-                + (f", chunk {max(args.chunks)} tokens" if name == "fused" else "") + ", mean of 5 steps)\n\n"
-                + markdown_table(table[:25], KERNEL_COLUMNS) + "\n" for name, table in kernels.items()]
-    path.write_text(path.read_text() + "".join(sections))
+    pivot, pivot_columns = kernel_pivot(kernels, top=30)
+    section = (f"\n## Kernels per step (b={args.profile_batch}, us per step, mean of 5 steps; fused C@S: a chunk of "
+               "C tokens from prompt position S)\n\n" + markdown_table(pivot, pivot_columns) + "\n")
+    path.write_text(path.read_text() + section)
     say(f"wrote {out / NAME}.{{parquet,md,png}}")
     return 0
 

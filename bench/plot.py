@@ -322,9 +322,9 @@ def plot_real_traffic(parquet, png) -> Path:
 
 
 def plot_fused_step_profile(parquet, png) -> Path:
-    """Left: step ms against the chunk's tokens per batch (0: the decode step), the 2x-decode line dashed; right:
-    one layer's attention of the rows by the decode kernel and the packed kernel's two row layouts (GPU runs) or
-    the longest program's key tiles of each layout (any run)."""
+    """Left: step ms against the chunk's tokens per batch (0: the decode step) and chunk start (line styles), the
+    2x-decode line dashed; right: one layer's attention of the rows by the decode kernel and the packed kernel's
+    two row layouts (GPU runs) or the longest program's key tiles of each layout (any run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,18 +332,24 @@ def plot_fused_step_profile(parquet, png) -> Path:
 
     rows = read_rows(parquet)
     fig, (steps, attn) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, batch in enumerate(sorted({r["batch"] for r in rows if r["part"] == "step"})):
-        pts = sorted((r for r in rows if r["part"] == "step" and r["batch"] == batch), key=lambda r: r["chunk_tokens"])
-        steps.plot([r["chunk_tokens"] for r in pts], [r["ms"] for r in pts], "-o", color=f"C{i}", label=f"b={batch}")
-        decode = next((r["ms"] for r in pts if r["chunk_tokens"] == 0), None)
+    timed = [r for r in rows if r["part"] == "step"]
+    starts = sorted({r["chunk_start"] for r in timed if r["chunk_tokens"]})
+    for i, batch in enumerate(sorted({r["batch"] for r in timed})):
+        decode = next((r for r in timed if r["batch"] == batch and r["chunk_tokens"] == 0), None)
+        for j, start in enumerate(starts):
+            pts = [decode] * (decode is not None) + sorted(
+                (r for r in timed if r["batch"] == batch and r["chunk_tokens"] and r["chunk_start"] == start),
+                key=lambda r: r["chunk_tokens"])
+            steps.plot([r["chunk_tokens"] for r in pts], [r["ms"] for r in pts], ["-o", ":s", "-.^"][j % 3],
+                       color=f"C{i}", label=f"b={batch} @{start}")
         if decode:
-            steps.axhline(2 * decode, color=f"C{i}", ls="--", lw=0.8)
+            steps.axhline(2 * decode["ms"], color=f"C{i}", ls="--", lw=0.8)
     steps.set(xlabel="chunk tokens in the launch (0: decode step)", ylabel="ms per step",
               title="Fused step vs decode (dashed: 2x decode)")
     steps.legend(fontsize=8)
-    timed = [r for r in rows if r["part"] == "rows_attention" and r["ms"]]
-    value, ylabel = ("ms", "ms, one layer") if timed else ("longest_tiles", "longest program's key tiles")
-    bars = timed or [r for r in rows if r["part"].startswith("plan_")]
+    attention = [r for r in rows if r["part"] == "rows_attention" and r["ms"]]
+    value, ylabel = ("ms", "ms, one layer") if attention else ("longest_tiles", "longest program's key tiles")
+    bars = attention or [r for r in rows if r["part"].startswith("plan_")]
     attn.bar(range(len(bars)), [r[value] for r in bars])
     attn.set_xticks(range(len(bars)), [f"{r['variant']} b={r['batch']}" for r in bars], rotation=30, fontsize=8)
     attn.set(ylabel=ylabel, title="The rows' attention by layout")
@@ -361,6 +367,8 @@ PLOTS = {
     "ingress_burst": plot_ingress_burst,
     "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
+    "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
+                                  "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),
     "real_traffic": plot_real_traffic,
     "host_overhead_cpu": plot_host_overhead,
     "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",

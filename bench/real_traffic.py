@@ -10,7 +10,8 @@ Engines per mode, built one after the other: `padded` (packed_prefill off, prefi
 prefill pads its prompts to the longest and runs whole), `chunked` (packed prefill, prompts cut into chunks of
 the per-step budget, each chunk a launch of its own in front of the step's verify: fused_prefill off) and
 `fused` (the same chunks inside the verify's launch while requests decode, the budget bounding the whole
-launch: fused_prefill on, the engine's default).
+launch: fused_prefill on, the engine's default); `chunked_arrival` and `fused_arrival` are those with the budget
+handed out first come, first served (prefill_order arrival; the others: the fewest prompt tokens left first).
 - closed: every request submitted at once. `prefill_tokens_per_s`: prompt tokens / prefill device time (every
   prefill task's, the chunks' included; none for `fused` where chunks rode verifies, whose device time holds
   both: `fused_prefills` counts those); `tokens_per_s`: output tokens / wall time; `verify_ms_p50`: a plain
@@ -21,8 +22,12 @@ launch: fused_prefill on, the engine's default).
   the gaps that overlap a long prompt's prefill (arrival to first token of a prompt of >= long_tokens),
   `gap_quiet_p50_ms`: the median over the gaps that overlap none, and `long_over_quiet` their ratio, pooled
   over the loads (`n_long`: long prompts that arrived).
+- online_long (--long-prompts N): one more online run at --long-load, its Poisson arrivals plus N prompts drawn
+  from the lognormal's tail above long_tokens at evenly spaced times (`added_long`), so the gap ratio rests on N
+  long prompts' windows, not on the one or two the plain runs hold.
 
     python -m bench.real_traffic                      # one H200: 8B / 1B random weights, about 8 minutes
+    python -m bench.real_traffic --long-prompts 8     # and a run with 8 long prompts for the gap ratio
     python -m bench.real_traffic --smoke              # CPU: tiny models, 2 fake GPUs, seconds
 """
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -43,11 +49,12 @@ from bench.psd_vs_sd import machine_name, poisson_arrivals
 from bench.prefill_speed import Z99
 
 NAME = "real_traffic"
-COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "completed", "prompt_tokens",
+COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "added_long", "completed", "prompt_tokens",
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
-           "fused_prefills", "verify_ms_p50", "fused_verify_ms_p50", "fused_tokens_p50", "prefill_chunk_tokens", "packed_prefill", "fused_prefill", "max_batch", "k", "alpha", "build_s", "git_sha", "command",
-           "device"]
+           "fused_prefills", "verify_ms_p50", "fused_verify_ms_p50", "fused_tokens_p50", "prefill_chunk_tokens",
+           "packed_prefill", "fused_prefill", "prefill_order", "max_batch", "k", "alpha", "build_s", "git_sha",
+           "command", "device"]
 TABLE = ["mode", "engine", "workload", "load", "rate_rps", "completed", "prefill_tokens_per_s", "tokens_per_s",
          "ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms",
          "long_over_quiet", "prefill_tasks", "fused_prefills"]
@@ -75,8 +82,12 @@ class Workload:
                 f">= {self.long_tokens} tokens")
 
 
+TAIL_IDS = 10**7   # request ids from here on draw their prompt length from the lognormal's tail (online_long)
+
+
 class Requests:
-    """Request i: the same prompt (random ids), output length and seed in every engine."""
+    """Request i: the same prompt (random ids), output length and seed in every engine. From TAIL_IDS on, the
+    prompt's length is drawn from the lognormal above long_tokens (its inverse CDF over the tail's share)."""
 
     def __init__(self, work: Workload, vocab: int):
         self.work, self.vocab = work, vocab
@@ -87,7 +98,12 @@ class Requests:
         w = self.work
         rng = np.random.default_rng([w.seed, i])
         out = int(rng.integers(w.out_min, w.out_max + 1))
-        n = int(np.clip(round(rng.lognormal(np.log(w.prompt_median), w.sigma)), 1, w.max_len - out))
+        z = rng.normal()
+        if i >= TAIL_IDS:
+            normal = statistics.NormalDist()
+            tail_from = normal.cdf(np.log(w.long_tokens / w.prompt_median) / w.sigma)
+            z = normal.inv_cdf(tail_from + (1 - tail_from) * normal.cdf(z))
+        n = int(np.clip(round(np.exp(np.log(w.prompt_median) + w.sigma * z)), 1, w.max_len - out))
         prompt = rng.integers(16, self.vocab, n).tolist()
         return prompt, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, seed=i)
 
@@ -178,9 +194,29 @@ def long_prompt_gaps(traces: list[Trace], long_tokens: int) -> dict:
             "long_over_quiet": p99 / p50 if p99 is not None and p50 else None}
 
 
+def long_arrivals(count: int, seconds: float) -> list[float]:
+    """When online_long's added long prompts arrive: evenly spaced over the run, none at its edges."""
+    return [(j + 0.5) * seconds / count for j in range(count)]
+
+
+def run_online_long(llm, requests: Requests, args, capacity: float, work: Workload, first_id: int,
+                    tag: str) -> dict:
+    """online_long: Poisson arrivals at --long-load plus --long-prompts prompts from the tail (ids from
+    TAIL_IDS), merged in time."""
+    arrivals = poisson_arrivals(args.long_load * capacity, args.online_s, seed=round(args.long_load * 1000) + 1)
+    timed = sorted([(at, first_id + n) for n, at in enumerate(arrivals)] +
+                   [(at, TAIL_IDS + n) for n, at in enumerate(long_arrivals(args.long_prompts, args.online_s))])
+    drain = 10.0 if args.smoke else min(30.0, max(5.0, args.online_s))
+    traces = asyncio.run(run_online(llm, requests, [i for _, i in timed], [at for at, _ in timed], tag, drain))
+    return {"workload": "online_long", "load": args.long_load, "rate_rps": args.long_load * capacity,
+            "n_requests": len(timed), "added_long": args.long_prompts, **online_stats(traces, work.long_tokens)}
+
+
 # ---- engines ------------------------------------------------------------------------------------
 ENGINES = {"fused": {"packed_prefill": True, "fused_prefill": True},
            "chunked": {"packed_prefill": True, "fused_prefill": False},
+           "fused_arrival": {"packed_prefill": True, "fused_prefill": True, "prefill_order": "arrival"},
+           "chunked_arrival": {"packed_prefill": True, "fused_prefill": False, "prefill_order": "arrival"},
            "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0, "fused_prefill": False}}
 
 
@@ -243,6 +279,10 @@ def parse(argv):
     p.add_argument("--n-closed", type=int, default=96, help="requests of the closed workload")
     p.add_argument("--loads", default="0.3,0.6,0.9")
     p.add_argument("--online-s", type=float, default=15.0, help="seconds of arrivals per load")
+    p.add_argument("--long-prompts", type=int, default=0, help="add an online run (online_long) at --long-load "
+                   "holding this many prompts from the lognormal's tail above the long length, evenly spaced "
+                   "(0: none)")
+    p.add_argument("--long-load", type=float, default=0.6, help="online_long's load (x the padded capacity)")
     p.add_argument("--prompt-median", type=int, default=300)
     p.add_argument("--prompt-p99", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
@@ -289,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                             "prefill_chunk_tokens": llm.info()["prefill_chunk_tokens"],
                             "packed_prefill": ENGINES[engine_kind(engine)[0]]["packed_prefill"],
                             "fused_prefill": llm.info()["fused_prefill"],
+                            "prefill_order": llm.info()["prefill_order"],
                             "build_s": time.perf_counter() - t0}
                     closed = {**base, "workload": "closed", **run_closed(llm, requests, range(args.n_closed))}
                     rows.append(closed)
@@ -312,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                     if loads:   # the long-prompt gaps pooled over the loads (long prompts are rare)
                         rows.append({**base, "workload": "online_pooled", "n_requests": len(traces_all),
                                      **online_stats(traces_all, work.long_tokens)})
+                    if args.long_prompts:
+                        rows.append({**base, **run_online_long(llm, requests, args, capacity, work, next_id,
+                                                               f"{mode}-{engine}-long")})
+                        say(f"{mode} {engine} with {args.long_prompts} long prompts: gap ratio "
+                            f"{fmt(rows[-1]['long_over_quiet'])} over {rows[-1]['n_long']}")
                 finally:
                     llm.shutdown()
                 write(out, rows, work, args)   # after every engine: a device call cut short keeps what it measured
@@ -333,7 +379,15 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
              "packed_prefill off, prefill_chunk_tokens 0 (whole prompts, padded to the longest)",
              "prefill_tokens_per_s: prompt tokens / prefill device time; gaps: between a request's consecutive "
              "outputs (one per step); gap_long_p99_ms / gap_quiet_p50_ms: gaps overlapping a long prompt's "
-             "arrival-to-first-token window, or none; online_pooled: all loads together"]
+             "arrival-to-first-token window, or none; online_pooled: all loads together",
+             "prefill_order: who takes the step's prefill budget first (shortest: the fewest prompt tokens left, a "
+             "prompt overtaken by its own length first; arrival: first come, first served)"]
+    if args.long_prompts:
+        notes.append(f"online_long: {args.online_s:.0f} s of Poisson arrivals at {args.long_load} x the padded "
+                     f"engine's closed capacity (seed {round(args.long_load * 1000) + 1}) plus {args.long_prompts} "
+                     f"prompts drawn from the same lognormal above {work.long_tokens} tokens (inverse CDF over the "
+                     f"tail, request ids from {TAIL_IDS}), arriving at (j + 0.5) x {args.online_s:.0f} s / "
+                     f"{args.long_prompts}")
     notes += ratios(rows)
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
                          "launches) vs the padded engine",
@@ -360,10 +414,12 @@ def ratios(rows: list[dict]) -> list[str]:
             if c60 and p60 and c60["ttft_p99_ms"] and p60["ttft_p99_ms"]:
                 lines.append(f"{mode}: TTFT P99 at 60 % load {engine} {fmt(c60['ttft_p99_ms'])} ms vs padded "
                              f"{fmt(p60['ttft_p99_ms'])} ms (target: {engine} <= padded)")
-            pooled = pick(engine, "online_pooled")
-            if pooled:
-                lines.append(f"{mode}: {engine}, gap P99 while long prompts prefill / median gap without = "
-                             f"{fmt(pooled['long_over_quiet'])} over {pooled['n_long']} long prompts (target <= 2)")
+            for workload in ("online_long", "online_pooled"):
+                row = pick(engine, workload)
+                if row:
+                    lines.append(f"{mode}: {engine}, gap P99 while long prompts prefill / median gap without = "
+                                 f"{fmt(row['long_over_quiet'])} over {row['n_long']} long prompts ({workload}; "
+                                 f"target <= 2)")
     return lines
 
 

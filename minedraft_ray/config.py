@@ -88,6 +88,10 @@ class EngineConfig(BaseModel):
                                 "verify's launch (one launch, not two), and the budget bounds the whole launch: the "
                                 "verify's tokens plus the chunk's; off: the chunk is a launch of its own before the "
                                 "verify (needs packed_prefill and a budget)")
+    prefill_order: Literal["shortest", "arrival"] = Field(
+        "shortest", description="who takes the step's prefill budget first among the prompts being prefilled: the "
+        "fewest tokens left (shortest; a prompt that later ones have overtaken by its own length goes first, so "
+        "none starves) or admission order (arrival)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")

@@ -1,7 +1,8 @@
 """The GPU-only bench scripts run end to end in their --smoke form on the CPU (tiny shapes), so they do not
 rot between GPU sessions: GEMM layout sweep, graphed vs eager prefill (each writes its parquet, md and png),
 the drafter-kill drill, the payload hop over every route, and psd_vs_sd comparing two draft channels in one
-call (the last three in the session's Ray cluster, 2 fake GPUs)."""
+call (the last three in the session's Ray cluster, 2 fake GPUs); and the prefill-order replay (the scheduler
+alone)."""
 import json
 import os
 import subprocess
@@ -101,16 +102,18 @@ def test_paged_kv_smoke(tmp_path):
 
 
 def test_fused_step_profile_smoke(tmp_path):
-    """The fused-step profile's --smoke form: a decode and fused steps per batch (the fused ones' over_decode
-    against that batch's decode), both row layouts' plans (the rows mode never walks more tiles in one program
-    than 16-row blocks do), and the kernel tables of one decode and one fused step, written with the command."""
+    """The fused-step profile's --smoke form: a decode and fused steps per batch at every chunk start (the fused
+    ones' over_decode against that batch's decode), both row layouts' plans (the rows mode never walks more tiles
+    in one program than 16-row blocks do), and the kernels of the decode step and of a fused step per kernel chunk
+    and start, in one table by step, written with the command."""
     proc = subprocess.run([sys.executable, "-m", "bench.fused_step_profile", "--smoke", "--out", str(tmp_path)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pq.read_table(tmp_path / "fused_step_profile.parquet").to_pylist()
     steps = [r for r in rows if r["part"] == "step"]
-    assert {(r["batch"], r["chunk_tokens"]) for r in steps} == {(b, c) for b in (2, 4) for c in (0, 8, 16)}
+    assert {(r["batch"], r["chunk_tokens"], r["chunk_start"]) for r in steps} == \
+        {(b, 0, None) for b in (2, 4)} | {(b, c, s) for b in (2, 4) for c in (8, 16) for s in (0, 24)}
     assert all(r["ms"] > 0 and r["launch_tokens"] == r["batch"] + r["chunk_tokens"] for r in steps)
     assert all(r["over_decode"] == 1.0 for r in steps if r["chunk_tokens"] == 0)
     plans = {(r["batch"], r["variant"]): r for r in rows if r["part"].startswith("plan_")}
@@ -118,10 +121,37 @@ def test_fused_step_profile_smoke(tmp_path):
         assert plans[batch, "rows"]["programs"] > plans[batch, "blocks16"]["programs"]
         assert plans[batch, "rows"]["longest_tiles"] <= plans[batch, "blocks16"]["longest_tiles"]
     kernels = [r for r in rows if r["part"] == "kernels"]
-    assert {r["variant"] for r in kernels} == {"decode", "fused"} and all(r["us"] > 0 for r in kernels)
+    assert {(r["chunk_tokens"], r["chunk_start"]) for r in kernels} == \
+        {(0, None)} | {(c, s) for c in (8, 16) for s in (0, 24)}
+    assert all(r["us"] > 0 and r["batch"] == 4 for r in kernels)
     md = (tmp_path / "fused_step_profile.md").read_text()
-    assert "`python -m bench.fused_step_profile --smoke" in md and "## Kernels of one fused step" in md
+    assert "`python -m bench.fused_step_profile --smoke" in md and "## Kernels per step" in md
+    header = next(line for line in md.splitlines() if line.startswith("| kernel |"))
+    assert header == "| kernel | decode | fused 8@0 | fused 8@24 | fused 16@0 | fused 16@24 |"
+    assert "| total (all kernels) |" in md
     assert (tmp_path / "fused_step_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefill_order_sim_smoke(tmp_path):
+    """The prefill-order replay (the scheduler alone, a step-cost model, in process): every order at every budget
+    and long-prompt count, written with the command and the cost model; chunking bounds the gap ratio that whole
+    prompts blow up, the added tail prompts each open a window, and short-first lowers the median TTFT where the
+    budget cuts prompts most."""
+    from bench.prefill_order_sim import COLUMNS, main
+
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = pq.read_table(tmp_path / "prefill_order_sim.parquet").to_pylist()
+    assert list(rows[0]) == COLUMNS
+    by = {(r["order"], r["budget"], r["long_prompts"]): r for r in rows}
+    assert set(by) == {(o, b, n) for n in (0, 2) for o, b in
+                       [("whole", 0), ("arrival", 256), ("shortest", 256), ("arrival", 128), ("shortest", 128)]}
+    assert all(r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["requests"] > 0 for r in rows)
+    assert all(by[o, b, 2]["n_long"] >= 2 for o, b, _ in by)
+    assert all(by[o, b, 2]["long_over_quiet"] < by["whole", 0, 2]["long_over_quiet"] for o, b, _ in by if b)
+    assert by["shortest", 128, 2]["ttft_p50_ms"] < by["arrival", 128, 2]["ttft_p50_ms"]
+    md = (tmp_path / "prefill_order_sim.md").read_text()
+    assert "`python -m bench.prefill_order_sim --smoke" in md and "verify_ms 6" in md and "a model" in md
+    assert (tmp_path / "prefill_order_sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 GPT_FAST = ROOT / "third_party" / "gpt-fast"

@@ -5,7 +5,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from bench.real_traffic import COLUMNS, Requests, Trace, Workload, long_prompt_gaps, main
+from bench.real_traffic import (COLUMNS, TAIL_IDS, Requests, Trace, Workload, long_arrivals, long_prompt_gaps,
+                                main)
 
 
 def test_prompt_lengths_are_long_tailed_and_seeded():
@@ -17,6 +18,18 @@ def test_prompt_lengths_are_long_tailed_and_seeded():
     assert min(outs) >= 64 and max(outs) <= 512
     assert all(len(requests(i)[0]) + requests(i)[1].max_tokens <= work.max_len for i in range(3000))
     assert requests(7)[0] == Requests(work, vocab=1000)(7)[0]
+
+
+def test_tail_requests_are_long_seeded_and_fit_the_context():
+    """online_long's added prompts: from the lognormal above long_tokens (so >= long_tokens, spread over the tail,
+    not piled at its start), within the context, the same in every engine; evenly spaced arrivals."""
+    work = Workload()
+    requests = Requests(work, vocab=1000)
+    lengths = np.array([len(requests(TAIL_IDS + i)[0]) for i in range(1000)])
+    assert lengths.min() >= work.long_tokens and np.median(lengths) > 2400
+    assert all(len(p) + s.max_tokens <= work.max_len for p, s in map(requests, range(TAIL_IDS, TAIL_IDS + 300)))
+    assert requests(TAIL_IDS + 3)[0] == Requests(work, vocab=1000)(TAIL_IDS + 3)[0]
+    assert long_arrivals(4, 8.0) == [1.0, 3.0, 5.0, 7.0]
 
 
 def test_long_prompt_gaps_split_the_gaps_by_overlap():
@@ -32,7 +45,7 @@ def test_long_prompt_gaps_split_the_gaps_by_overlap():
 def test_smoke(ray_cluster, tmp_path):
     # sd only (ar is the same code without the drafter): three engines built, the suite's time kept short
     assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "2", "--chunk", "16",
-                 "--out", str(tmp_path)]) == 0
+                 "--long-prompts", "2", "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
     closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
@@ -52,7 +65,13 @@ def test_smoke(ray_cluster, tmp_path):
     assert len({r["rate_rps"] for r in online}) == 1   # the same absolute rate for both engines
     assert all(r["completed"] >= 1 and r["ttft_p50_ms"] > 0 for r in online)
     assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused"}
+    assert all(r["prefill_order"] == "shortest" for r in rows)
+    # online_long: the added long prompts each open a window of the gap ratio
+    long = [r for r in rows if r["workload"] == "online_long"]
+    assert {r["engine"] for r in long} == {"padded", "chunked", "fused"}
+    assert all(r["added_long"] == 2 and r["n_long"] >= 2 and r["gap_quiet_p50_ms"] > 0 for r in long)
     md = (tmp_path / "real_traffic.md").read_text()
     assert "`python -m bench.real_traffic --smoke" in md and "lognormal" in md and "seed 0" in md
     assert "prefill prompt tokens/s chunked / padded" in md and "fused" in md
+    assert "online_long: 2 s of Poisson arrivals" in md and "long prompts (online_long; target <= 2)" in md
     assert (tmp_path / "real_traffic.png").is_file()

@@ -15,6 +15,10 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
   decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
 - fused prefill (a chunk inside a verify's task): the launch's tokens (the verify's k + 1 per row, 1 in ar, and
   the chunk's) never exceed the budget, and a verify's rows are prefilled before its launch, not in it;
+- the budget's order (`prefill_order`): with `shortest`, the prompt tokens planned for requests admitted after a
+  prompt while it waits stay below two budgets (one, plus the step it became due in; its own prefill's tokens
+  instead of the first when fewer): no prompt starves behind later, shorter ones; with `arrival` (outside psd,
+  whose chunks put the batch just committed first) there are none;
 - run beside the unchunked scheduler on the same events, a budget that every waiting prompt fits plans what
   whole prompts plan, call for call;
 - KV blocks (here with pools large enough never to run short; tests/test_runtime_paging.py runs the same driver
@@ -38,8 +42,8 @@ from minedraft_ray.engine.engine import commit_tokens
 from minedraft_ray.engine.request import Request
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.engine.kv_cache import HEADROOM, NULL_BLOCK
-from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState, Scheduler,
-                                             SchedulerConfig, Status, VerifyPlan)
+from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState,
+                                             Scheduler, SchedulerConfig, Status, VerifyPlan)
 
 EOS = 1
 K = 3
@@ -73,6 +77,8 @@ class Driver:
         self.preemptions = 0
         self.plans: list[tuple] = []          # every schedule call's plan, by arrival numbers (plan_shape)
         self.preempted_between_chunks = 0     # preempted with prompt chunks still to plan
+        # id(state) -> prompt tokens planned for requests admitted after it while its prefill waited (this residency)
+        self.overtaken: dict[int, int] = {}
 
     # -- events --
     def arrive(self, prompt_len: int, max_tokens: int, eos: bool) -> None:
@@ -174,6 +180,7 @@ class Driver:
         for state in self.states:
             if state.admitted_at != self.admitted_at.get(id(state), -1):
                 self.admitted_at[id(state)] = state.admitted_at
+                self.overtaken[id(state)] = 0
                 self.admissions[id(state)] = self.admissions.get(id(state), 0) + 1
         # requests that decode in this call's verifies without having been started by its prefills
         fused = [v.prefill for v in plan.verifies if v.prefill is not None]
@@ -336,8 +343,28 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
             assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
                 f"{c.state.id}: chunk gap or overlap"
             driver.planned[id(c.state)] = c.stop
+        check_overtaking(driver, prefill)
         if i < len(prefills) - 1:
             assert not decoding and not any(c.last for c in prefill.chunks), "two prefills rode one step"
+
+
+def check_overtaking(driver: Driver, prefill: PrefillPlan) -> None:
+    """After each prefill task (its chunks counted as planned): every prompt still waiting for chunks adds the tokens
+    this task gave requests admitted after it. `shortest`: that total stays below one budget (or its own prefill's
+    tokens, when fewer) plus one budget (it is due once overtaken by the first, and then nobody later goes before
+    it); `arrival`: nobody later goes before it at all (outside psd, whose committed batch goes first)."""
+    sched = driver.sched
+    budget = sched.config.prefill_budget
+    for s in driver.states:
+        if s.status is not Status.RUNNING or s.done or driver.planned.get(id(s), s.cached_tokens) == s.prefill_len:
+            continue
+        later = sum(c.stop - c.start for c in prefill.chunks if c.state.admitted_at > s.admitted_at)
+        driver.overtaken[id(s)] = overtaken = driver.overtaken.get(id(s), 0) + later
+        if sched.config.prefill_order is PrefillOrder.SHORTEST and budget is not None:
+            own = s.prefill_len - s.cached_tokens
+            assert overtaken < min(own, budget) + budget, f"{s.id} ({own} to prefill) overtaken by {overtaken}"
+        elif sched.config.prefill_order is PrefillOrder.ARRIVAL and sched.mode != "psd":
+            assert overtaken == 0, f"{s.id} overtaken by {overtaken} tokens of later prompts"
 
 
 def check_fused(driver: Driver, verify: VerifyPlan) -> None:
@@ -437,6 +464,7 @@ ARRIVE = st.tuples(st.just("arrive"), st.integers(1, 20), st.integers(1, 16), st
 BUDGETS = st.sampled_from([None, 1, 2, 3, 5, 8, 13])   # prompt tokens per step (None: unchunked)
 # fused prefill's budgets bound a verify's rows too (k + 1 = 4 tokens each): some fit no verify, some a few rows
 FUSED_BUDGETS = st.sampled_from([None, 1, 3, 5, 9, 13, 21, 40])
+ORDERS = st.sampled_from(list(PrefillOrder))
 COMPLETE = st.tuples(st.just("complete"))
 EVENTS = st.one_of(
     ARRIVE, ARRIVE, ARRIVE, COMPLETE, COMPLETE, COMPLETE, COMPLETE,
@@ -457,15 +485,18 @@ def tokens(num_drafts: int):
 
 def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None,
                    num_blocks: int | None = None, block_size: int = 4, prefix_caching: bool = False,
-                   fuse: bool = False) -> Scheduler:
-    """num_blocks: blocks per model (None: enough that no pool runs short); fuse: fused prefill."""
+                   fuse: bool = False, order: PrefillOrder = PrefillOrder.SHORTEST, max_len: int = MAX_LEN
+                   ) -> Scheduler:
+    """num_blocks: blocks per model (None: enough that no pool runs short); fuse: fused prefill; order: who takes
+    the prefill budget first."""
     max_running = 2 * max_batch if mode == "psd" else max_batch
     sched = Scheduler(SchedulerConfig(mode, max_batch, max_running, max_running, min_requests, "psd", "psd",
-                                      budget, fuse_prefill=fuse, k=K, prefix_caching=prefix_caching))
+                                      budget, fuse_prefill=fuse, k=K, prefix_caching=prefix_caching,
+                                      prefill_order=order))
     sched.drafter_alive = mode in ("psd", "sd_split")
-    per_slot = -(-(MAX_LEN + HEADROOM) // block_size)
+    per_slot = -(-(max_len + HEADROOM) // block_size)
     spec = KVPoolSpec(num_blocks or max_running * per_slot + 1, block_size, per_slot)
-    sched.attach_kv(spec, None if mode == "ar" else spec, MAX_LEN)
+    sched.attach_kv(spec, None if mode == "ar" else spec, max_len)
     return sched
 
 
@@ -511,17 +542,17 @@ def drawn(data):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS,
+@given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS, order=ORDERS,
        events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
-def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, events, data):
-    run_events("psd", max_batch, min_requests, events, drawn(data), budget)
+def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, order, events, data):
+    run_events("psd", max_batch, min_requests, events, drawn(data), budget, order=order)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS,
+@given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS, order=ORDERS,
        events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
-def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
-    run_events(mode, max_batch, 2, events, drawn(data), budget)
+def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, order, events, data):
+    run_events(mode, max_batch, 2, events, drawn(data), budget, order=order)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -543,6 +574,50 @@ def test_chunks_ride_inside_verifies_while_requests_decode(mode):
         return sum(v[-1] for _, _, verifies in driver.plans for v in verifies)
     assert fused_verifies(13) > 0
     assert fused_verifies(1) == 0
+
+
+def prefill_waits(order: PrefillOrder, shorts: int, short_len: int, every_step: bool) -> list[int]:
+    """ar, fused, budget 16, one request decoding: a 150-token prompt is admitted, then `shorts` prompts of
+    `short_len` tokens (all with the long one's first chunk in flight, or one per step) -> the schedule calls from
+    the long one's first chunk until each prompt's last chunk is planned, the long one's first."""
+    driver = Driver(make_scheduler("ar", 8, 2, budget=16, fuse=True, order=order, max_len=200),
+                    schedule_after_prefill=False)
+    one = lambda num_drafts: [7]   # noqa: E731
+    driver.arrive(3, 150, False)   # decodes throughout
+    for _ in range(3):
+        driver.complete(one)
+    driver.arrive(150, 4, False)
+    driver.complete(one)           # its first chunk is planned
+    start, planned_at = len(driver.plans), {}
+    for step in range(200):
+        if step < shorts and (every_step or step == 0):
+            for _ in range(1 if every_step else shorts):
+                driver.arrive(short_len, 1, False)
+        driver.complete(one)
+        for s in driver.states[1:]:
+            if id(s) not in planned_at and s.prefill_len and driver.planned.get(id(s)) == s.prefill_len:
+                planned_at[id(s)] = len(driver.plans) - start
+    return [planned_at[id(s)] for s in driver.states[1:]]
+
+
+def test_a_short_prompt_behind_a_long_one_waits_for_its_chunks_only_in_arrival_order():
+    """The fused engines' TTFT tail, reproduced: a long prompt takes the budget chunk after chunk, so in arrival
+    order a short prompt admitted behind it waits for all of its chunks (its TTFT then holds the long prompt's
+    prefill); `shortest` gives the short one the next step's budget, and the long one finishes one step later."""
+    arrival = prefill_waits(PrefillOrder.ARRIVAL, 1, 6, every_step=False)
+    shortest = prefill_waits(PrefillOrder.SHORTEST, 1, 6, every_step=False)
+    assert arrival[1] >= 9 and shortest[1] == 1, (arrival, shortest)
+    assert shortest[0] == arrival[0] + 1, (arrival, shortest)
+
+
+def test_the_long_prompt_is_not_starved_by_a_stream_of_short_ones():
+    """One short prompt a step, each filling what the step's verify leaves of the budget: shortest-first alone
+    would plan none of the long prompt while they keep coming (40 steps); it is due once they have overtaken it by
+    a budget's tokens, and then goes first, so it finishes at most two steps later than first come, first served
+    would finish it (the overtaking bound itself is checked on every plan: check_overtaking)."""
+    waits = prefill_waits(PrefillOrder.SHORTEST, 40, 15, every_step=True)
+    arrival = prefill_waits(PrefillOrder.ARRIVAL, 40, 15, every_step=True)
+    assert waits[0] <= arrival[0] + 2, (waits, arrival)
 
 
 def seeded(seed: int):

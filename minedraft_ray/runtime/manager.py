@@ -37,8 +37,8 @@ from ..engine.sampling import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
-from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillPlan, RequestState, Scheduler, SchedulerConfig,
-                        VerifyPlan)
+from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState, Scheduler,
+                        SchedulerConfig, VerifyPlan)
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
@@ -142,7 +142,8 @@ class BatchManager:
                                                config.psd_min_requests, config.psd_low_load,
                                                config.psd_high_load, config.prefill_chunk_tokens or None,
                                                fuse_prefill=fuses_prefill(config), k=config.k,
-                                               prefix_caching=config.prefix_caching))
+                                               prefix_caching=config.prefix_caching,
+                                               prefill_order=PrefillOrder(config.prefill_order)))
         self.sched.drafter_alive = False   # until the drafter is up (start)
         self.channel = make_channel(config.transport)
         self.actors = WorkerActors(config, self.num_slots, self.channel, workers or WorkerSet(), placement_group,
@@ -373,7 +374,7 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
-                "fused_prefill": s.config.fuse_prefill,
+                "fused_prefill": s.config.fuse_prefill, "prefill_order": s.config.prefill_order.value,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,

@@ -15,10 +15,17 @@ behind a verify is built from the verify's own result, so a second verify would 
 `sd` and `ar` build a step from the verifier's slot state alone, so their chain keeps two in flight.
 
 Chunked prefill: the scheduler owns the per-step token budget (`prefill_budget`, prompt tokens per verifier
-step). Admitted prompts queue for it in admission order, and each `schedule` call plans at most one prefill
-task within the budget, cut mid-prompt where it falls, in front of the verify it plans (in psd, members of
-the batch just committed first, so a chunk rides with its own batch's verify, and half the budget while it
-splits and requests decode, since a request's period then spans both batches' verifies). A running request's
+step). Each `schedule` call plans at most one prefill task within the budget, cut mid-prompt where it falls, in
+front of the verify it plans (in psd, half the budget while it splits and requests decode, since a request's
+period then spans both batches' verifies). The prompts admitted and not yet all planned share it
+(`prefill_order`): by default the prompt with the fewest tokens left goes first, so a short prompt admitted
+behind a long one is not kept waiting for all of the long one's chunks (in psd members of the batch just
+committed go first, so a chunk rides with its own batch's verify). A prompt that later admitted ones have
+overtaken by one budget's tokens (or its own prefill's, when fewer) is due, and due prompts go first, in
+admission order: no prompt starves, and none waits for more than two budgets of later prompts' tokens, so the
+long prompts that hold the TTFT tail lose at most about two steps to the short ones. `arrival` hands the budget
+out in admission order (first come, first served). The task's chunks keep admission order whatever the shares
+(so a budget every prompt fits plans what whole prompts plan). A running request's
 time between tokens thus grows by at most one chunk's time. While nothing decodes there is nothing to
 stall: chunks take the whole budget, back to back until one completes a prompt. A request rides no verify and no
 draft round until its last chunk is planned (the verifier runs its tasks in order, so that chunk is done
@@ -95,6 +102,12 @@ class PlannedBlocks(BlockManager):
         return TableEdits([r for r, _ in edits], [c for _, c in edits], list(edits.values()))
 
 
+class PrefillOrder(enum.Enum):
+    """Who gets a step's prefill budget first, among the prompts admitted and not yet all planned."""
+    ARRIVAL = "arrival"      # admission order: first come, first served
+    SHORTEST = "shortest"    # fewest prompt tokens left first; a prompt overtaken by a budget's tokens is due first
+
+
 class Status(enum.Enum):
     WAITING = "waiting"        # queued for a slot (new, or preempted)
     RUNNING = "running"        # holds a slot and its KV blocks, in a batch
@@ -117,6 +130,7 @@ class RequestState:
     last_seq: int = -1               # task number of the latest task committed for it
     # this residency (admission to finish or preemption)
     admitted_at: int = -1            # admission number (preemption takes the latest admitted first)
+    overtaken: int = 0               # prompt tokens planned for requests admitted after it while its prefill waited
     resumed: bool = False            # preempted before: its prefill recomputes its tokens and samples nothing
     prefill_len: int = 0             # tokens to prefill: the prompt, or every token but the newest when resumed
     cached_tokens: int = 0           # of those, found in the prefix cache (mapped, not recomputed)
@@ -247,6 +261,7 @@ class SchedulerConfig:
     fuse_prefill: bool = False         # a budgeted chunk rides inside the step's verify launch (bounding it all)
     k: int = 4                         # draft tokens per verify (what a step writes past a request's length)
     prefix_caching: bool = False
+    prefill_order: PrefillOrder = PrefillOrder.SHORTEST   # who takes the prefill budget first
 
 
 @dataclass
@@ -580,6 +595,7 @@ class Scheduler:
             pool.reserve(slot, reaches[pool])
             pool.count_lookup(first_len - 2, hit * pool.block_size)
         s.blocks_cover = -1
+        s.overtaken = 0
         s.cached_tokens = r.num_cached_tokens = hit * self.kv[KVRole.TARGET].block_size
         s.prompt_planned = s.prefilled = s.cached_tokens
         if self.config.prefix_caching and not r.stats.preemptions:
@@ -751,24 +767,26 @@ class Scheduler:
 
     def _plan_prefill(self, committed: int | None, verify_tokens: int = 0, decoding: bool = True
                       ) -> PrefillPlan | None:
-        """Chunks of the prompts not yet planned, in admission order (in psd, members of the batch just
-        committed first, so a chunk rides with its own batch's verify), at most `prefill_budget` tokens, less
-        `verify_tokens` (those of the verify it may ride) where that leaves any; the whole budget while nothing
-        decodes (`launch_budget`)."""
+        """Chunks of the prompts not yet planned, at most `prefill_budget` tokens, less `verify_tokens` (those of
+        the verify it may ride) where that leaves any; the whole budget while nothing decodes (`launch_budget`).
+        The prompts share it as `prefill_order` says (`_prefill_shares`); the chunks go in admission order (in psd,
+        members of the batch just committed first)."""
         pending = [s for s in self.unprefilled if not s.done]
         self.unprefilled = deque(pending)
+        mine = set()
         if committed is not None and self.mode == "psd":
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
         room = self.launch_budget(decoding) or sum(s.prefill_len - s.prompt_planned for s in pending)
         if room > verify_tokens:
             room -= verify_tokens
+        shares = self._prefill_shares(pending, room, mine)
         chunks = []
         for s in pending:
-            if room == 0:
-                break
+            if not shares.get(id(s)):
+                continue
             start = s.prompt_planned
-            stop = min(s.prefill_len, start + room)
+            stop = start + shares[id(s)]
             # psd and sd_split: the drafter takes the chunks while the verifier prefills them, so the first round
             # feeds two tokens, not the prompt (the drafter runs its tasks in order: before any round). Only a
             # drafter that holds the chunks before takes one (a drafter restarted meanwhile holds none), into
@@ -778,7 +796,6 @@ class Scheduler:
                 KVRole.DRAFT in self.kv and self.kv[KVRole.DRAFT].covers(s.slot, stop)
             s.drafter_generation = self.drafter_generation if to_drafter else -1
             chunks.append(PromptChunk(s, start, stop, to_drafter))
-            room -= stop - start
         if not chunks:
             return None
         prefill = PrefillPlan(self.next_seq(), chunks)
@@ -795,6 +812,36 @@ class Scheduler:
                     s.request.draft_valid = min(s.request.draft_valid, s.cached_tokens)
                 self.unprefilled.remove(s)
         return prefill
+
+    def _prefill_shares(self, pending: list[RequestState], room: int, mine: set[int]) -> dict[int, int]:
+        """-> id(state) -> prompt tokens of its chunk in this task (`room` in all), and each prompt still waiting
+        after it counts the tokens given to those admitted after it (`RequestState.overtaken`).
+        `shortest`: due prompts first, in admission order, then (in psd, the batch just committed first) the
+        fewest tokens left first; `arrival`: in `pending`'s order."""
+        order = pending
+        if self.config.prefill_order is PrefillOrder.SHORTEST:
+            due = sorted((s for s in pending if self.prefill_due(s)), key=lambda s: s.admitted_at)
+            rest = sorted((s for s in pending if not self.prefill_due(s)),
+                          key=lambda s: (id(s) not in mine, s.prefill_len - s.prompt_planned, s.admitted_at))
+            order = due + rest
+        shares = {}
+        for s in order:
+            if room == 0:
+                break
+            shares[id(s)] = take = min(s.prefill_len - s.prompt_planned, room)
+            room -= take
+        # the latest admitted first: each waiting prompt adds what went to those admitted after it
+        later = 0
+        for s in sorted(pending, key=lambda s: -s.admitted_at):
+            if s.prompt_planned + shares.get(id(s), 0) < s.prefill_len:
+                s.overtaken += later
+            later += shares.get(id(s), 0)
+        return shares
+
+    def prefill_due(self, s: RequestState) -> bool:
+        """Later admitted prompts have overtaken s by one budget's tokens, or by its own prefill's when fewer
+        (short-first ordering no longer passes it over)."""
+        return s.overtaken >= min(s.prefill_len - s.cached_tokens, self.config.prefill_budget or UNBOUNDED)
 
     def _drop_ahead(self, b: int, plan: SchedulePlan) -> None:
         ahead, self.draft_ahead[b] = self.draft_ahead[b], None
