@@ -11,6 +11,8 @@ a running request's gap grows while the chunk rides (issue 24's target: at most 
 - rows_attention: the rows' attention of one layer alone, three ways on the same tensors: `decode` (a decode step's
   kernel, attention_triton), `rows` (the packed kernel's rows mode, what a fused launch runs for them) and
   `blocks16` (the packed kernel in 16-row blocks without a key split: what fused launches ran before rows mode);
+- chunk_attention: one layer's attention of the chunk alone, `split` (the launch's key splits, as fused steps run
+  it) against `direct` (one split per block);
 - plan_*: the rows' attention programs and the longest program's key tiles (64 keys each) per layout, from the
   launch shapes alone (no device): a program walks its tiles in turn, so the longest one bounds the kernel;
 - kernels: per-kernel device time (torch.profiler, graph replays included) of one decode step and of fused steps
@@ -43,10 +45,10 @@ from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner
 
 NAME = "fused_step_profile"
 COLUMNS = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
-           "over_decode", "gemm_tflop", "programs", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
+           "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
            "us", "share", "shape", "dtype", "git_sha", "command", "device"]
 TABLE = ["part", "variant", "batch", "chunk_tokens", "chunk_start", "launch_tokens", "graph_tokens", "ms",
-         "over_decode", "gemm_tflop", "programs", "longest_tiles"]
+         "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles"]
 BLOCK_N = 64   # the key tile both layouts walk
 
 
@@ -164,6 +166,40 @@ def time_rows_attention(runner: ModelRunner, batch: int, reps: int, warmup: int,
         emit({**common, "variant": name, "ms": times[len(times) // 2], "ms_p90": times[int(len(times) * 0.9)]})
 
 
+@torch.inference_mode()
+def time_chunk_attention(runner: ModelRunner, chunks: list[int], chunk_starts: list[int], reps: int, warmup: int,
+                         emit) -> None:
+    """One layer's attention of a prompt chunk alone (prefill blocks), at every chunk size and start: `split` (the
+    launch's own key splits, prefill_splits) and `direct` (one split: each block walks its whole prefix), plus each
+    launch's programs and splits (GPU timing only: the kernel is Triton's)."""
+    device, cfg, cache = runner.device, runner.cfg, runner.cache
+    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton, launch_shape, prefill_splits
+    from minedraft_ray.engine.attention_triton import num_sms
+
+    groups, kv_heads = cfg.num_heads // cfg.num_kv_heads, runner.model.num_kv_heads
+    max_keys = cache.block_tables.shape[1] * cache.block_size
+    k, v, tables, scale = cache.k[0], cache.v[0], cache.block_tables, cfg.head_dim ** -0.5
+    for start in chunk_starts:
+        for chunk in (c for c in chunks if c):
+            block_m, block_n, _ = launch_shape(chunk, groups, kv_heads, cfg.head_dim, k.dtype, num_sms(device))
+            splits = prefill_splits(chunk, groups, kv_heads, block_m, block_n, max_keys, num_sms(device))
+            common = {"part": "chunk_attention", "chunk_tokens": chunk, "chunk_start": start, "launch_tokens": chunk,
+                      "programs": -(-chunk * groups // block_m) * kv_heads, "splits": splits}
+            if device.type != "cuda":
+                emit({**common, "variant": "plan"})
+                continue
+            q = torch.randn(chunk, cfg.num_heads, cfg.head_dim, dtype=k.dtype, device=device)
+            slots = torch.zeros(chunk, dtype=torch.int64, device=device)
+            positions = torch.arange(start, start + chunk, device=device)
+            variants = {"split": lambda: attend_packed_triton(q, k, v, tables, slots, positions, scale),
+                        "direct": lambda: attend_packed_triton(q, k, v, tables, slots, positions, scale,
+                                                               num_splits=1)}
+            for name, run in variants.items():
+                times = sorted(time_steps(run, device, warmup, reps, f"chunk attention {name} {chunk}@{start}"))
+                emit({**common, "variant": name, "ms": times[len(times) // 2],
+                      "ms_p90": times[int(len(times) * 0.9)]})
+
+
 def step_name(chunk: int, start: int | None) -> str:
     """A profiled step's column in the kernel table: `decode`, or `fused C@S` (a C-token chunk from position S)."""
     return "decode" if chunk == 0 else f"fused {chunk}@{start}"
@@ -276,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batches:
         time_steps_of(runner, batch, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
         time_rows_attention(runner, batch, args.reps, args.warmup, emit)
+    time_chunk_attention(runner, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
     profiled = [(0, None)] + [(c, start) for c in args.kernel_chunks for start in args.chunk_starts]
     kernels = kernel_tables(runner, args.profile_batch, profiled, steps=5)
     notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed buckets "
@@ -285,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
              "ms: median of the timed steps (CUDA events); over_decode: fused ms / decode ms at the same rows",
              "rows_attention: one layer's attention of the rows alone; plan_*: programs and the longest program's "
              "64-key tiles from the launch shapes (no device)",
+             "chunk_attention: one layer's attention of a chunk alone (prefill blocks) at each chunk_start: `split` "
+             "with the launch's key splits (splits), `direct` without (each block walks its whole prefix)",
              versions()]
     path = write_results(rows, out, NAME, COLUMNS, "Fused step vs decode step: the chunk's cost and its kernels",
                          context["command"], context["device"], notes, TABLE)

@@ -120,6 +120,9 @@ def test_fused_step_profile_smoke(tmp_path):
     for batch in (2, 4):
         assert plans[batch, "rows"]["programs"] > plans[batch, "blocks16"]["programs"]
         assert plans[batch, "rows"]["longest_tiles"] <= plans[batch, "blocks16"]["longest_tiles"]
+    chunk_plans = {(r["chunk_tokens"], r["chunk_start"]): r for r in rows if r["part"] == "chunk_attention"}
+    assert chunk_plans.keys() == {(c, s) for c in (8, 16) for s in (0, 24)}
+    assert all(r["variant"] == "plan" and r["programs"] > 0 and r["splits"] >= 1 for r in chunk_plans.values())
     kernels = [r for r in rows if r["part"] == "kernels"]
     assert {(r["chunk_tokens"], r["chunk_start"]) for r in kernels} == \
         {(0, None)} | {(c, s) for c in (8, 16) for s in (0, 24)}
