@@ -106,6 +106,8 @@ class EngineServer:
         await self.manager.start()
         self.mailbox_key = serve.get_replica_context().replica_id.unique_id
         self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
+        # each step's end, its commit done: where the batcher sends a grid time's outputs ahead of it
+        self.manager.step_listeners.append(lambda record: self.outputs.step_done(record.step_ms / 1e3))
         await self.outputs.mailbox.alive.remote()   # its process is up before the first request waits for it
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
