@@ -298,6 +298,24 @@ def test_ingress_settings():
     assert env.ingress_max_replicas is None and env.ingress_cpus == 2.0
 
 
+def test_direct_ingress_settings():
+    """`ingress_http: direct` needs Ray's direct ingress on the instance (a setting of its processes' environment):
+    refused clearly without it; the private instance's environment puts the replicas on --port and up."""
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.serve.ingress_http import check_ingress_http, direct_ingress_environ
+
+    assert EngineConfig().ingress_http == "proxy"
+    check_ingress_http("proxy", environ={})
+    with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_DIRECT_INGRESS=1"):
+        check_ingress_http("direct", environ={})
+    env = direct_ingress_environ(8000, 2)
+    check_ingress_http("direct", environ=env)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8000" and env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8004"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    with pytest.raises(ValueError):
+        EngineConfig(ingress_http="haproxy")
+
+
 def test_loop_lag_watch_sees_a_blocked_loop():
     """The ingress's loop-lag probe (serve/loop_lag.py): a loop held for 0.3 s shows as one observation of about that
     much lateness; the probe stops when told."""

@@ -65,6 +65,7 @@ from .detokenize import OutputText, TokenStrings
 from .loop_lag import LoopLagWatch
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
+from .ingress_http import check_ingress_http
 from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
@@ -911,6 +912,7 @@ def build_app(args: dict | None = None):
 
 def build_app_with_key(args: dict | None, api_key: str | None):
     config = load_config(args)
+    check_ingress_http(config.ingress_http)
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
     resolve_model(config.target, config.revision, config.download_dir)
     resolve_model(config.draft, config.draft_revision, config.download_dir)
