@@ -199,6 +199,7 @@ class OutputBatcher:
         self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
         self.urgent: dict[str, set[str]] = {}                 # subscriber -> request ids to send at once
         self.released: dict[str, float] = {}                  # request id -> release time of its latest output sent
+        self.pending_since: float | None = None               # the oldest pending output's arrival (for lateness)
         self.seq = 0
         self.timer: asyncio.TimerHandle | None = None         # the grid time's fallback on the loop
         self.rush: asyncio.Handle | None = None
@@ -214,6 +215,8 @@ class OutputBatcher:
             if self.rush is None:
                 self.rush = asyncio.get_running_loop().call_soon(self._flush_urgent)
             return
+        if self.pending_since is None:
+            self.pending_since = now
         if self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(max(self.grid.due(now) - now, 0.0), self._on_timer)
 
@@ -287,8 +290,12 @@ class OutputBatcher:
             if not outs:
                 del self.pending[subscriber]
         self._send(batch, release_at)
-        self.history.append(FlushRecord(time.time(), max(release_at - due, 0.0) * 1e3,
-                                        max(release_at - now, 0.0) * 1e3, sum(map(len, batch.values()))))
+        # late: after its grid time, or after its oldest output came when that was later (a grid time that passed
+        # with nothing pending is not a delay)
+        late = release_at - max(due, self.pending_since if self.pending_since is not None else now)
+        self.pending_since = None
+        self.history.append(FlushRecord(time.time(), max(late, 0.0) * 1e3, max(release_at - now, 0.0) * 1e3,
+                                        sum(map(len, batch.values()))))
 
 
 class RequestSink:
