@@ -243,7 +243,23 @@ def test_minedraft_serve_with_direct_ingress(run_env, tmp_path):
             with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as slow:
                 slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # never ends its headers
                 t = time.time()
-                assert slow.recv(1024) == b"" and time.time() - t < 8   # closed by the guard's header timeout
+                assert slow.recv(1024) == b"" and time.time() - t < 5   # closed by the guard's header timeout
+        # a client that goes away mid-stream: the replica sees the disconnect itself and the engine drops the request
+        auth = {"Authorization": "Bearer sekret"}
+        info = lambda: requests.get(urls[1] + "/v1/minedraft/info", headers=auth, timeout=30).json()  # noqa: E731
+        before = info()["aborted"]
+        r = requests.post(urls[1] + "/v1/completions", stream=True, timeout=60, headers=auth,
+                          json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 200, "ignore_eos": True,
+                                "stream": True})
+        lines = r.iter_lines()
+        while not next(lines).startswith(b"data: "):
+            pass
+        r.close()
+        deadline = time.time() + 30
+        while (info()["aborted"] == before or info()["slots_in_use"]) and time.time() < deadline:
+            time.sleep(0.2)
+        state = info()
+        assert state["aborted"] == before + 1 and state["slots_in_use"] == 0 and state["running"] == 0
     finally:
         code = cmd.interrupt()
     assert code == 0 and "shutting down" in cmd.output()
