@@ -418,8 +418,7 @@ def deploy(settings: dict) -> list[str]:
 
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})   # the first start in this Ray wins
     serve.run(build_app_with_key(settings, None), name=app_name(settings), route_prefix="/")
-    config = EngineConfig.model_validate(settings)
-    return ingress_urls(app_name(settings), config.ingress_replicas, config.ingress_http == "direct")
+    return ingress_urls(app_name(settings), EngineConfig.model_validate(settings).ingress_replicas)
 
 
 def direct_ingress_environ() -> dict[str, str]:

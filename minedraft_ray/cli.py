@@ -144,18 +144,21 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ray import serve
 
     from .serve.app import API_KEY_ENV, build_app_with_key, http_options
-    from .serve.ingress_http import direct_ingress_environ, ingress_urls
+    from .serve.ingress_http import direct_ingress_environ, ingress_urls, private_instance_runs_direct
 
     # the key leaves this process's environment before Ray starts: Ray's processes (and any job they run)
     # inherit it; only its SHA-256 travels to the ingress replica
     api_key = os.environ.pop(API_KEY_ENV, None) or None
-    direct = config.ingress_http == "direct"
-    ingress_replicas = config.ingress_max_replicas or config.ingress_replicas
+    direct = not ns.address and private_instance_runs_direct(config)
     if not ns.address:   # a private instance: its Serve proxy (or ingress replicas) run the ingress guard
         from .serve.guard import IngressLimits, guard_environ
         os.environ.update(guard_environ(IngressLimits.from_config(config)))
-        if direct:   # the ingress replicas serve HTTP from --port on
-            os.environ.update(direct_ingress_environ(ns.port, ingress_replicas))
+    if direct:   # the ingress replicas serve HTTP from --port on: taken already, say so now
+        try:
+            free_port(ns.host, ns.port)
+        except OSError as e:
+            parser.error(f"--port {ns.port} on {ns.host}: {e.strerror}")
+        os.environ.update(direct_ingress_environ(ns.port, config.ingress_max_replicas or config.ingress_replicas))
     context = start_ray(ns, dashboard=not ns.no_dashboard)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -164,7 +167,7 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         proxy_port = free_port(ns.host) if direct else ns.port
         serve.start(http_options=http_options(config, host=ns.host, port=proxy_port))
         serve.run(build_app_with_key(overrides, api_key), name=ns.app_name, route_prefix="/")
-        urls = ingress_urls(ns.app_name, config.ingress_replicas, direct)
+        urls = ingress_urls(ns.app_name, config.ingress_replicas)
         url = urls[0]
         dashboard = getattr(context, "dashboard_url", None)
         print(f"minedraft: serving '{config.served_model_name}' ({config.mode}, k={config.k}, "
@@ -193,11 +196,12 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def free_port(host: str) -> int:
+def free_port(host: str, port: int = 0) -> int:
+    """`port` on `host` if it is free (OSError if not), or any free one."""
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
+        s.bind((host, port))
         return s.getsockname()[1]
 
 

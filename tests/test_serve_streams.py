@@ -300,12 +300,20 @@ def test_ingress_settings():
 
 def test_direct_ingress_settings():
     """`ingress_http: direct` needs Ray's direct ingress on the instance (a setting of its processes' environment):
-    refused clearly without it; the private instance's environment puts the replicas on --port and up."""
+    refused clearly without it; auto takes what the instance runs, and on an instance of its own runs direct ingress
+    for one fixed ingress replica (one URL) and the proxy for several (one URL spread over them). The private
+    instance's environment puts the replicas on --port and up."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.serve.ingress_http import check_ingress_http, direct_ingress_environ
+    from minedraft_ray.serve.ingress_http import (check_ingress_http, direct_ingress_environ,
+                                                  private_instance_runs_direct)
 
-    assert EngineConfig().ingress_http == "proxy"
-    check_ingress_http("proxy", environ={})
+    assert EngineConfig().ingress_http == "auto" and private_instance_runs_direct(EngineConfig())
+    assert not private_instance_runs_direct(EngineConfig(ingress_replicas=2))
+    assert not private_instance_runs_direct(EngineConfig(ingress_max_replicas=3))
+    assert private_instance_runs_direct(EngineConfig(ingress_http="direct", ingress_replicas=2))
+    assert not private_instance_runs_direct(EngineConfig(ingress_http="proxy"))
+    for setting in ("auto", "proxy"):
+        check_ingress_http(setting, environ={})
     with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_DIRECT_INGRESS=1"):
         check_ingress_http("direct", environ={})
     env = direct_ingress_environ(8000, 2)

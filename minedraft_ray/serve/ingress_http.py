@@ -44,35 +44,44 @@ def direct_ingress_on(environ=os.environ) -> bool:
     return environ.get(DIRECT_INGRESS_ENV) == "1"
 
 
+def private_instance_runs_direct(config) -> bool:
+    """Whether a Ray instance started for `config` (`minedraft serve`, the benchmarks) runs direct ingress: when
+    asked, and by default (auto) for a single fixed ingress replica, whose one URL is then the API's; several ingress
+    replicas keep Serve's proxy by default, the one URL that spreads the clients over them."""
+    if config.ingress_http == "auto":
+        return config.ingress_replicas == 1 and config.ingress_max_replicas is None
+    return config.ingress_http == "direct"
+
+
 def check_ingress_http(ingress_http: str, environ=os.environ) -> None:
     """`ingress_http: direct` in an environment whose Ray does not run direct ingress: a clear error, not an app that
-    answers only through the proxy."""
+    answers only through the proxy. (auto takes what the instance runs.)"""
     if ingress_http == "direct" and not direct_ingress_on(environ):
         raise ValueError(f"ingress_http: direct needs a Ray instance started with {DIRECT_INGRESS_ENV}=1 (every "
                          "node's `ray start`; `minedraft serve` sets it on its own instance); or ingress_http: proxy")
 
 
-def ingress_urls(app_name: str, replicas: int, direct: bool, timeout_s: float = 30.0) -> list[str]:
-    """Base URLs of a running app (Serve connected): with `direct`, each ingress replica's own once all `replicas`
-    have their ports; else Serve's proxy."""
+def ingress_urls(app_name: str, replicas: int, timeout_s: float = 30.0) -> list[str]:
+    """Base URLs of a running app (Serve connected): each ingress replica's own when the instance runs direct
+    ingress (the app's targets are then its ingress replicas), else Serve's proxy."""
     from ray import serve
     from ray.serve.schema import ServeInstanceDetails
 
     client = serve.context._get_global_client()
-    if not direct:
-        return [f"http://{_url_host(client.http_config.host)}:{client.http_config.port}"]
+    proxy = [f"http://{_url_host(client.http_config.host)}:{client.http_config.port}"]
     deadline = time.monotonic() + timeout_s
     while True:
         details = ServeInstanceDetails(**client.get_serve_details())
-        # under direct ingress the app's targets are its ingress replicas; else (or before they have ports) proxies
-        urls = sorted({f"http://{_url_host(t.ip)}:{t.port}" for group in details.target_groups
-                       if group.app_name == app_name and group.protocol == "HTTP" for t in group.targets
-                       if INGRESS_DEPLOYMENT in t.name})
-        if len(urls) >= replicas:
-            return urls
+        groups = [g for g in details.target_groups if g.app_name == app_name and g.protocol == "HTTP"]
+        replicas_at = sorted({(t.ip, t.port) for g in groups for t in g.targets if INGRESS_DEPLOYMENT in t.name},
+                             key=lambda target: target[1])
+        if len(replicas_at) >= replicas:
+            return [f"http://{_url_host(ip)}:{port}" for ip, port in replicas_at]
+        if groups and not replicas_at:   # the app's way in is the proxy
+            return proxy
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{len(urls)} of the app's {replicas} ingress replicas serve HTTP themselves after "
-                               f"{timeout_s:g} s: is the Ray instance running with {DIRECT_INGRESS_ENV}=1?")
+            raise RuntimeError(f"{len(replicas_at)} of the app's {replicas} ingress replicas have an HTTP port after "
+                               f"{timeout_s:g} s")
         time.sleep(0.5)
 
 
