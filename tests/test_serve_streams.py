@@ -135,6 +135,11 @@ def test_releases_keep_the_interval_while_commits_keep_the_loop_busy(step_ms, co
     assert abs(len(releases) - span / expected) <= 2   # one chunk per interval: as many as before
 
 
+def test_an_interval_of_zero_releases_every_step():
+    releases = busy_loop_releases([0.0111] * 50, 0.008, 0.0)
+    assert len(releases) == 50 and all(abs(g - 11.1) < 0.01 for g in gaps_ms(releases))
+
+
 def test_long_steps_among_short_ones_keep_the_median_on_the_interval():
     """Prefill chunks lengthen every third step past the interval: the median gap stays the interval, a step that
     spans a grid time releases as it ends (the gap: the interval plus part of that step, not two intervals), and the

@@ -100,10 +100,11 @@ class FlushGrid:
         return now
 
     def _pass(self, t: float) -> None:
-        """The next grid time is the first one after `t`."""
+        """The next grid time is the first one after `t` (an interval of 0: every step is one)."""
         due = self.due(t)
         if t >= due:
-            self.next_due = due + (int((t - due) / self.interval_s) + 1) * self.interval_s
+            self.next_due = t if self.interval_s <= 0 else \
+                due + (int((t - due) / self.interval_s) + 1) * self.interval_s
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
