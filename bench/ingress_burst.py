@@ -2,6 +2,7 @@
 
     python -m bench.ingress_burst                                   # CPU: the default target, ar, 8 + 256 requests
     python -m bench.ingress_burst --running 64 --burst 192 --max-tokens 512 --device cuda --target random:llama-8b
+    python -m bench.ingress_burst --ingress-http direct      # the ingress replica serves HTTP itself (no Serve proxy)
 
 `--running` streaming completions (`--max-tokens` each, `ignore_eos`) fill the engine's batch; `--burst-at` seconds
 later `--burst` more are sent at once (4 tokens each: they queue behind the running ones, as the 192 queued beside 64
