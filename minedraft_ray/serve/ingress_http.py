@@ -72,12 +72,13 @@ def ingress_urls(app_name: str, replicas: int, timeout_s: float = 30.0) -> list[
     deadline = time.monotonic() + timeout_s
     while True:
         details = ServeInstanceDetails(**client.get_serve_details())
-        groups = [g for g in details.target_groups if g.app_name == app_name and g.protocol == "HTTP"]
-        replicas_at = sorted({(t.ip, t.port) for g in groups for t in g.targets if INGRESS_DEPLOYMENT in t.name},
+        replicas_at = sorted({(t.ip, t.port) for g in details.target_groups if g.app_name == app_name
+                              and g.protocol == "HTTP" for t in g.targets if INGRESS_DEPLOYMENT in t.name},
                              key=lambda target: target[1])
         if len(replicas_at) >= replicas:
             return [f"http://{_url_host(ip)}:{port}" for ip, port in replicas_at]
-        if groups and not replicas_at:   # the app's way in is the proxy
+        if details.target_groups and not any(INGRESS_DEPLOYMENT in t.name for g in details.target_groups
+                                             for t in g.targets):   # every way in is a proxy
             return proxy
         if time.monotonic() > deadline:
             raise RuntimeError(f"{len(replicas_at)} of the app's {replicas} ingress replicas have an HTTP port after "
