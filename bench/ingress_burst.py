@@ -2,6 +2,7 @@
 
     python -m bench.ingress_burst                                   # CPU: the default target, ar, 8 + 256 requests
     python -m bench.ingress_burst --running 64 --burst 192 --max-tokens 512 --device cuda --target random:llama-8b
+    python -m bench.ingress_burst --ingress-http direct      # the ingress replica serves HTTP itself (no Serve proxy)
 
 `--running` streaming completions (`--max-tokens` each, `ignore_eos`) fill the engine's batch; `--burst-at` seconds
 later `--burst` more are sent at once (4 tokens each: they queue behind the running ones, as the 192 queued beside 64
@@ -25,15 +26,17 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import command_line, git_sha, merge_by_config, write_results
-from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, loop_lag, make_prompts, percentile, read_itl,
+from bench.serve_vs_offline import (LOOP_LAG, Shard, Trace, deploy, direct_ingress_environ, loop_lag, make_prompts,
+                                   percentile, read_itl,
                                    run_shard)
 
 NAME = "ingress_burst"   # on a CPU: ingress_burst_cpu
-COLUMNS = ["label", "device", "target", "running", "burst", "max_tokens", "ingress_replicas", "gap_before_p50_ms",
+COLUMNS = ["label", "device", "target", "running", "burst", "max_tokens", "ingress_replicas", "ingress_http",
+           "gap_before_p50_ms",
            "gap_before_p99_ms", "gap_during_p50_ms", "gap_during_p99_ms", "gap_during_max_ms", "gaps_during",
            "loop_lag_before_mean_ms", "loop_lag_during_mean_ms", "loop_lag_during_p99_ms", "burst_ttft_p50_ms",
            "burst_ttft_p99_ms", "errors", "load_before", "git_sha", "command"]
-TABLE_COLUMNS = ["label", "running", "burst", "ingress_replicas", "gap_before_p50_ms", "gap_before_p99_ms",
+TABLE_COLUMNS = ["label", "running", "burst", "ingress_replicas", "ingress_http", "gap_before_p50_ms", "gap_before_p99_ms",
                  "gap_during_p50_ms", "gap_during_p99_ms", "loop_lag_during_mean_ms", "loop_lag_during_p99_ms",
                  "burst_ttft_p50_ms", "errors", "load_before"]
 
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--burst-at", type=float, default=3.0)
     ap.add_argument("--window", type=float, default=2.0)
     ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--ingress-http", default="proxy", choices=["proxy", "direct"],
+                    help="through Serve's proxy, or at each ingress replica (direct ingress)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", default=None, help="default: the default target")
     ap.add_argument("--label", default=None, help="names this run's row (default: the git sha and ingress replicas)")
@@ -64,31 +69,33 @@ def main(argv: list[str] | None = None) -> int:
     from minedraft_ray.runtime.llm import init_local_ray
 
     temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    if args.ingress_http == "direct":   # Ray's processes read it at start
+        os.environ.update(direct_ingress_environ())
     init_local_ray(num_gpus=None if args.device == "cuda" else 2, _temp_dir=temp_dir, log_to_driver=False)
     settings = {"mode": "ar", "draft": None, "max_batch": args.running, "max_len": 24 + args.max_tokens + 16,
                 "max_queued": max(args.burst, 64), "device": args.device, "stream_interval_ms": 20.0,
-                "ingress_replicas": args.ingress_replicas}
+                "ingress_replicas": args.ingress_replicas, "ingress_http": args.ingress_http}
     if args.device == "cpu":
         settings["torch_threads"] = 1
     if args.target:
         settings["target"] = args.target
     pool = mp.get_context("spawn").Pool(2)
     try:
-        url = deploy(settings)
+        urls = deploy(settings)
         from minedraft_ray.config import EngineConfig
 
         model = EngineConfig.model_validate(settings).served_model_name
         prompts = make_prompts(args.running + args.burst, 8, 24, 512)
-        pool.map(run_shard, [Shard(url, model, prompts[:args.running], [0.0] * args.running, 4, time.time() + 0.5)])
+        pool.map(run_shard, [Shard(urls, model, prompts[:args.running], [0.0] * args.running, 4, time.time() + 0.5)])
 
         def scrape():
-            with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+            with urllib.request.urlopen(urls[0] + "/metrics", timeout=60) as r:
                 return read_itl(r.read().decode(), LOOP_LAG)[1]
 
         start = time.time() + 1.0
-        running = pool.map_async(run_shard, [Shard(url, model, prompts[:args.running], [0.0] * args.running,
+        running = pool.map_async(run_shard, [Shard(urls, model, prompts[:args.running], [0.0] * args.running,
                                                    args.max_tokens, start)])
-        burst = pool.map_async(run_shard, [Shard(url, model, prompts[args.running:], [args.burst_at] * args.burst, 4,
+        burst = pool.map_async(run_shard, [Shard(urls, model, prompts[args.running:], [args.burst_at] * args.burst, 4,
                                                  start)])
         burst_t = start + args.burst_at
         snapshots = []
@@ -116,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     lag_before = loop_lag(before_burst, at_burst)["ingress_loop_lag_mean_ms"]
     lag_during = loop_lag(at_burst, after_window)
     lag_during, lag_during_p99 = lag_during["ingress_loop_lag_mean_ms"], lag_during["ingress_loop_lag_p99_ms"]
-    row = {"label": args.label or f"{git_sha()} x{args.ingress_replicas}", "device": args.device,
+    row = {"label": args.label or f"{git_sha()} x{args.ingress_replicas} {args.ingress_http}", "device": args.device,
            "target": args.target or "default", "running": args.running, "burst": args.burst,
-           "max_tokens": args.max_tokens, "ingress_replicas": args.ingress_replicas,
+           "max_tokens": args.max_tokens, "ingress_replicas": args.ingress_replicas, "ingress_http": args.ingress_http,
            "gap_before_p50_ms": percentile(before, 50), "gap_before_p99_ms": percentile(before, 99),
            "gap_during_p50_ms": percentile(during, 50), "gap_during_p99_ms": percentile(during, 99),
            "gap_during_max_ms": max(during, default=None), "gaps_during": len(during),

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import shutil
 import socket
@@ -41,7 +42,7 @@ from pathlib import Path
 NAME = "serve_vs_offline"   # on a CPU: serve_vs_offline_cpu
 APP = "serve-vs-offline"
 CONFIG = ("label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "device",
-          "ingress_replicas", "ingress_cpus", "stream_interval_ms")
+          "ingress_replicas", "ingress_cpus", "ingress_http", "stream_interval_ms")
 COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", "prompt_len", "workload", "load", "rate_rps",
            "http_tokens_per_s", "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms",
            "offline_ttft_p50_ms", "offline_ttft_p99_ms", "offline_engine_step_ms",
@@ -49,29 +50,32 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
            "burst_admitted_s", "ingress_gap_p50_ms", "ingress_gap_p99_ms", "ingress_loop_lag_p50_ms",
            "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
            "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
-           "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "chunks_per_request",
-           "engine_step_ms", "stream_interval_ms",
-           "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "client_procs", "models", "device",
+           "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "flush_ahead_share",
+           "chunks_per_request", "engine_step_ms", "stream_interval_ms",
+           "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "ingress_http", "client_procs",
+           "models", "device",
            "git_sha", "command"]
 TABLE_COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "workload", "load", "rate_rps", "http_tokens_per_s",
                  "offline_tokens_per_s", "http_over_offline", "ttft_p50_ms", "ttft_p99_ms", "offline_ttft_p50_ms",
                  "offline_ttft_p99_ms", "chunk_gap_p50_ms", "chunk_gap_p99_ms", "chunk_gap_steady_p99_ms",
                  "ingress_gap_p50_ms", "ingress_gap_p99_ms", "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms",
                  "engine_gap_p50_ms", "engine_gap_p99_ms", "engine_step_p99_ms", "prefill_step_share",
-                 "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus"]
+                 "chunks_per_request", "engine_step_ms", "ingress_replicas", "ingress_cpus", "ingress_http"]
 
 
 # ---- clients (separate processes) ---------------------------------------------------------------------
 @dataclass
 class Shard:
-    """One client process's share: prompts and their send times (seconds after start_at, wall clock)."""
-    url: str
+    """One client process's share: prompts and their send times (seconds after start_at, wall clock). Request i goes
+    to urls[(first + i) % len(urls)]: the ingress replicas' own URLs under direct ingress, else the proxy's."""
+    urls: list[str]
     model: str
     prompts: list[list[int]]
     offsets: list[float]
     max_tokens: int
     start_at: float
     read_timeout_s: float = 600.0
+    first: int = 0
 
 
 @dataclass
@@ -83,7 +87,7 @@ class Trace:
     error: str | None = None
 
 
-async def _completion(session, shard: Shard, prompt: list[int], send_at: float) -> Trace:
+async def _completion(session, shard: Shard, url: str, prompt: list[int], send_at: float) -> Trace:
     import aiohttp
 
     await asyncio.sleep(max(0.0, send_at - time.time()))
@@ -91,7 +95,7 @@ async def _completion(session, shard: Shard, prompt: list[int], send_at: float) 
     body = {"model": shard.model, "prompt": prompt, "max_tokens": shard.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
-        async with session.post(shard.url + "/v1/completions", json=body) as resp:
+        async with session.post(url + "/v1/completions", json=body) as resp:
             if resp.status != 200:
                 trace.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return trace
@@ -124,19 +128,20 @@ async def _run_shard(shard: Shard) -> list[Trace]:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=shard.read_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        return await asyncio.gather(*(_completion(session, shard, p, shard.start_at + off)
-                                      for p, off in zip(shard.prompts, shard.offsets)))
+        return await asyncio.gather(*(_completion(session, shard, shard.urls[(shard.first + i) % len(shard.urls)], p,
+                                                  shard.start_at + off)
+                                      for i, (p, off) in enumerate(zip(shard.prompts, shard.offsets))))
 
 
 def run_shard(shard: Shard) -> list[dict]:
     return [asdict(t) for t in asyncio.run(_run_shard(shard))]
 
 
-def send(pool, procs: int, url: str, model: str, prompts: list[list[int]], offsets: list[float],
+def send(pool, procs: int, urls: list[str], model: str, prompts: list[list[int]], offsets: list[float],
          max_tokens: int, read_timeout_s: float = 600.0) -> tuple[float, list[Trace]]:
-    """Requests i at start + offsets[i], spread over the client processes; -> (start, traces)."""
+    """Requests i at start + offsets[i], spread over the client processes and `urls`; -> (start, traces)."""
     start = time.time() + 0.5   # every process is up and waiting before the first send
-    shards = [Shard(url, model, prompts[i::procs], offsets[i::procs], max_tokens, start, read_timeout_s)
+    shards = [Shard(urls, model, prompts[i::procs], offsets[i::procs], max_tokens, start, read_timeout_s, first=i)
               for i in range(procs)]
     traces = [Trace(**t) for part in pool.map(run_shard, shards) for t in part]
     return start, traces
@@ -246,15 +251,15 @@ def read_itl(text: str, name: str = ITL) -> tuple[float | None, BucketCounts | N
     return created, BucketCounts([b for b, _ in buckets], [c for _, c in buckets], total) if buckets else None
 
 
-def scrape_ingress(url: str, replicas: int, tries_per_replica: int = 10,
+def scrape_ingress(urls: list[str], replicas: int, tries_per_replica: int = 10,
                    name: str = ITL) -> dict[float, BucketCounts] | None:
     """Every ingress replica's histogram `name`, by its creation time: Serve's proxy routes each /metrics scrape to
-    one replica, so scrape until each was seen (None when one never was)."""
+    one replica, so scrape until each was seen (None when one never was); under direct ingress each URL is one."""
     import urllib.request
 
     seen: dict[float, BucketCounts] = {}
-    for _ in range(replicas * tries_per_replica):
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    for i in range(replicas * tries_per_replica):
+        with urllib.request.urlopen(urls[i % len(urls)] + "/metrics", timeout=30) as r:
             created, hist = read_itl(r.read().decode(), name)
         if hist is None or (created is None and replicas > 1):   # no histogram, or no telling replicas apart
             return None
@@ -323,9 +328,12 @@ def engine_stats(records: list, steady_from: float | None = None) -> dict:
 
 
 def flush_stats(flushes: list) -> dict:
-    """How late the engine replica's interval flushes went out against their grid, once per request in each."""
+    """How late the engine replica's interval flushes were released against their grid, and the share sent ahead
+    of it (at the end of the last step before it, the mailbox holding them), once per request in each."""
     late = [(f.late_ms, f.requests) for f in flushes]
-    return {"flush_late_p50_ms": weighted_percentile(late, 50), "flush_late_p99_ms": weighted_percentile(late, 99)}
+    requests = sum(f.requests for f in flushes)
+    return {"flush_late_p50_ms": weighted_percentile(late, 50), "flush_late_p99_ms": weighted_percentile(late, 99),
+            "flush_ahead_share": sum(f.requests for f in flushes if f.held_ms > 0) / requests if requests else None}
 
 
 def poisson_offsets(rate: float, n: int, seed: int) -> list[float]:
@@ -399,22 +407,32 @@ def app_name(settings: dict) -> str:
     return f"{APP}-{settings['mode']}-{settings['max_batch']}"
 
 
-def deploy(settings: dict) -> str:
-    """The Serve app for `settings` on 127.0.0.1; -> its base URL."""
+def deploy(settings: dict) -> list[str]:
+    """The Serve app for `settings` on 127.0.0.1; -> its base URLs: Serve's proxy, or under direct ingress
+    (`ingress_http`) each ingress replica's own."""
     from ray import serve
 
+    from minedraft_ray.config import EngineConfig
     from minedraft_ray.serve.app import build_app_with_key
+    from minedraft_ray.serve.ingress_http import ingress_urls
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    http = serve.context._get_global_client().http_config   # the first start in this Ray wins: ask
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})   # the first start in this Ray wins
     serve.run(build_app_with_key(settings, None), name=app_name(settings), route_prefix="/")
-    return f"http://{http.host}:{http.port}"
+    return ingress_urls(app_name(settings), EngineConfig.model_validate(settings).ingress_replicas)
 
 
-def engine_step_ms(url: str) -> float | None:
+def direct_ingress_environ() -> dict[str, str]:
+    """A private Ray's environment for `--ingress-http direct`: Serve's port range for the replicas (Ray's
+    default), no drain period, ports reused at once."""
+    from minedraft_ray.serve.ingress_http import direct_ingress_environ as environ
+
+    return {k: v for k, v in environ(0, 1).items() if "_HTTP_PORT" not in k}
+
+
+def engine_step_ms(urls: list[str]) -> float | None:
     import urllib.request
 
-    with urllib.request.urlopen(url + "/v1/minedraft/info", timeout=30) as r:
+    with urllib.request.urlopen(urls[0] + "/v1/minedraft/info", timeout=30) as r:
         return json.loads(r.read()).get("recent_steps", {}).get("step_ms")
 
 
@@ -422,25 +440,25 @@ class HopProbe:
     """Reads the ingress's and the engine's side of one workload's gaps: the ingress replicas' ITL histograms and
     the engine's step count before it, the histograms and the engine's step records after it."""
 
-    def __init__(self, url: str, settings: dict, ingress_replicas: int):
+    def __init__(self, urls: list[str], settings: dict, ingress_replicas: int):
         from ray import serve
 
         from minedraft_ray.serve.app import EngineServer
 
-        self.url, self.ingress_replicas = url, ingress_replicas
+        self.urls, self.ingress_replicas = urls, ingress_replicas
         self.engine = serve.get_deployment_handle(EngineServer.name, app_name(settings))
 
     def before(self) -> None:
-        self.itl = scrape_ingress(self.url, self.ingress_replicas)
-        self.lag = scrape_ingress(self.url, self.ingress_replicas, name=LOOP_LAG)
+        self.itl = scrape_ingress(self.urls, self.ingress_replicas)
+        self.lag = scrape_ingress(self.urls, self.ingress_replicas, name=LOOP_LAG)
         self.step = self.engine.info.remote().result()["steps"]
         self.t0 = time.time()
 
     def after(self, steady_from: float | None = None) -> dict:
         records = self.engine.steps_since.remote(self.step).result()
         flushes = self.engine.flushes_since.remote(self.t0).result()
-        return {**ingress_gaps(self.itl, scrape_ingress(self.url, self.ingress_replicas)),
-                **loop_lag(self.lag, scrape_ingress(self.url, self.ingress_replicas, name=LOOP_LAG)),
+        return {**ingress_gaps(self.itl, scrape_ingress(self.urls, self.ingress_replicas)),
+                **loop_lag(self.lag, scrape_ingress(self.urls, self.ingress_replicas, name=LOOP_LAG)),
                 **engine_stats(records, steady_from), **flush_stats(flushes)}
 
 
@@ -448,18 +466,18 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, i
     """Closed burst, then Poisson loads: a stats dict per workload (closed first)."""
     from ray import serve
 
-    url = deploy(settings)
+    urls = deploy(settings)
     try:
         timeout = args.read_timeout_s
-        send(pool, args.client_procs, url, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4,
+        send(pool, args.client_procs, urls, model, prompts[:settings["max_batch"]], [0.0] * settings["max_batch"], 4,
              timeout)
-        probe = HopProbe(url, settings, ingress_replicas)
+        probe = HopProbe(urls, settings, ingress_replicas)
         probe.before()
-        start, traces = send(pool, args.client_procs, url, model, prompts, [0.0] * len(prompts), args.max_tokens,
+        start, traces = send(pool, args.client_procs, urls, model, prompts, [0.0] * len(prompts), args.max_tokens,
                              timeout)
         admitted = burst_admitted(traces)
         closed = {"workload": "closed", "load": None, **trace_stats(traces, start, admitted),
-                  **probe.after(admitted), "engine_step_ms": engine_step_ms(url)}
+                  **probe.after(admitted), "engine_step_ms": engine_step_ms(urls)}
         results = [closed]
         capacity_rps = (closed["http_tokens_per_s"] or 0) / args.max_tokens
         for load in args.loads:
@@ -468,9 +486,9 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, i
             offsets = poisson_offsets(rate, n, seed=round(load * 1000))
             online_prompts = [prompts[i % len(prompts)] for i in range(n)]
             probe.before()
-            _, traces = send(pool, args.client_procs, url, model, online_prompts, offsets, args.max_tokens, timeout)
+            _, traces = send(pool, args.client_procs, urls, model, online_prompts, offsets, args.max_tokens, timeout)
             results.append({"workload": "online", "load": load, "rate_rps": rate, **trace_stats(traces),
-                            **probe.after(), "engine_step_ms": engine_step_ms(url)})
+                            **probe.after(), "engine_step_ms": engine_step_ms(urls)})
         return results
     finally:
         serve.delete(app_name(settings))
@@ -480,8 +498,8 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, i
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
     from bench.common import merge_by_config
 
-    def at_tp(rows):   # rows from before the tp column ran the target at tp 1
-        return [{**r, "tp": r.get("tp") or 1} for r in rows]
+    def at_tp(rows):   # rows from before the tp column ran the target at tp 1, those before ingress_http its proxy
+        return [{**r, "tp": r.get("tp") or 1, "ingress_http": r.get("ingress_http") or "proxy"} for r in rows]
     return merge_by_config(at_tp(old), at_tp(new), CONFIG)
 
 
@@ -499,7 +517,7 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
     from bench.common import write_results
 
     commands = list(dict.fromkeys(r["command"] for r in rows))
-    ingress = sorted({(r["ingress_replicas"], r["ingress_cpus"]) for r in rows})
+    ingress = sorted({(r["ingress_replicas"], r["ingress_cpus"], r.get("ingress_http") or "proxy") for r in rows})
     notes = ["Closed: all `n_requests` streaming completions (`/v1/completions`, prompt token ids, `ignore_eos`, "
              "`max_tokens` each) sent at once by `client_procs` aiohttp client processes; the offline path is one "
              "`LLM.generate` call on the same prompts, with the same engine settings, built anew (one device "
@@ -532,12 +550,15 @@ def write(out: Path, rows: list[dict], device: str, name: str = NAME, extra_note
              "`prefill_step_share` the share of steps with a prefill chunk in that cycle (a task of its own or fused "
              "into the verify's launch), `engine_steps` their "
              "count, `engine_gaps` the gaps `engine_gap_*` counts. `flush_late_*`: how late the engine replica's "
-             "interval flushes (its outputs to the mailbox) left against their `stream_interval_ms` grid, once per "
-             "request in each: time its event loop, which runs the step loop, was busy; it adds to the gaps "
-             "between the engine hop and the ingress one, the mailbox and the ingress's poll the rest (the loop's "
-             "clock: 1 ms resolution under uvloop).",
+             "interval flushes (its outputs to the mailbox) were released against their `stream_interval_ms` grid, "
+             "once per request in each: time its event loop, which runs the step loop, was busy at a grid time no "
+             "step's end went ahead of; `flush_ahead_share`: the share sent at the end of the last step before "
+             "their grid time and held by the mailbox until then (serve/streams.py, FlushGrid). Lateness adds to "
+             "the gaps between the engine hop and the ingress one, the mailbox and the ingress's poll the rest.",
              "Online: Poisson arrivals at `load` x the closed HTTP capacity (tok/s / max_tokens requests/s).",
-             "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU" for n, c in ingress) + ".",
+             "Ingress (OpenAIServer): " + "; ".join(f"{n} replica(s) x {c} CPU, {h}" for n, c, h in ingress) + " ("
+             "`ingress_http`: proxy, clients reach it through Serve's proxy; direct, at each replica's own port, "
+             "spread over them).",
              "Commands: " + "; ".join(f"`{c}`" for c in commands), *extra_notes]
     return write_results(rows, out, name, COLUMNS, "Serve HTTP vs the offline LLM API", commands[-1], device,
                          notes, TABLE_COLUMNS)
@@ -569,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-interval-ms", type=float, default=20.0)
     ap.add_argument("--ingress-replicas", type=int, default=None, help="OpenAIServer replicas (default: config's)")
     ap.add_argument("--ingress-cpus", type=float, default=None, help="CPUs per OpenAIServer replica")
+    ap.add_argument("--ingress-http", default="proxy", choices=["proxy", "direct"],
+                    help="clients reach the ingress through Serve's proxy, or at each ingress replica (direct "
+                    "ingress, set on this process's Ray instance)")
     ap.add_argument("--loads", default="0.3,0.6,0.9", help="online loads, fractions of the HTTP capacity ('' none)")
     ap.add_argument("--online-s", type=float, default=None, help="seconds of arrivals per load")
     ap.add_argument("--client-procs", type=int, default=None)
@@ -633,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
 
     own_ray = not ray.is_initialized()
     temp_dir = tempfile.mkdtemp(prefix="r", dir="/tmp") if own_ray else None
+    if own_ray and args.ingress_http == "direct":   # Ray's processes read it at start
+        os.environ.update(direct_ingress_environ())
     if own_ray:
         init_local_ray(num_gpus=None if gpu else 2, _temp_dir=temp_dir, log_to_driver=False)
     device = device_name(torch.device("cuda" if gpu else "cpu"))
@@ -648,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                     settings["ingress_replicas"] = args.ingress_replicas
                 if args.ingress_cpus is not None:
                     settings["ingress_cpus"] = args.ingress_cpus
+                settings["ingress_http"] = args.ingress_http
                 from minedraft_ray.config import EngineConfig
 
                 config = EngineConfig.model_validate(settings)
@@ -662,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
                            "n_requests": n, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                            "stream_interval_ms": args.stream_interval_ms, "client_procs": args.client_procs,
                            "ingress_replicas": getattr(config, "ingress_replicas", 1),
-                           "ingress_cpus": getattr(config, "ingress_cpus", 0.1),
+                           "ingress_cpus": getattr(config, "ingress_cpus", 0.1), "ingress_http": config.ingress_http,
                            "models": f"{config.target} / {config.draft}" if mode != "ar" else config.target,
                            "device": device, "git_sha": git_sha(), "command": command}
                 new = []

@@ -144,24 +144,37 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from ray import serve
 
     from .serve.app import API_KEY_ENV, build_app_with_key, http_options
+    from .serve.ingress_http import direct_ingress_environ, ingress_urls, private_instance_runs_direct
 
     # the key leaves this process's environment before Ray starts: Ray's processes (and any job they run)
     # inherit it; only its SHA-256 travels to the ingress replica
     api_key = os.environ.pop(API_KEY_ENV, None) or None
-    if not ns.address:   # a private instance: its Serve proxy runs the ingress guard with these limits
+    direct = not ns.address and private_instance_runs_direct(config)
+    if not ns.address:   # a private instance: its Serve proxy (or ingress replicas) run the ingress guard
         from .serve.guard import IngressLimits, guard_environ
         os.environ.update(guard_environ(IngressLimits.from_config(config)))
+    if direct:   # the ingress replicas serve HTTP from --port on: taken already, say so now
+        try:
+            free_port(ns.host, ns.port)
+        except OSError as e:
+            parser.error(f"--port {ns.port} on {ns.host}: {e.strerror}")
+        os.environ.update(direct_ingress_environ(ns.port, config.ingress_max_replicas or config.ingress_replicas))
     context = start_ray(ns, dashboard=not ns.no_dashboard)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        serve.start(http_options=http_options(config, host=ns.host, port=ns.port))
+        # under direct ingress Serve still starts a proxy (on the head node): off --port, which is the replicas'
+        proxy_port = free_port(ns.host) if direct else ns.port
+        serve.start(http_options=http_options(config, host=ns.host, port=proxy_port))
         serve.run(build_app_with_key(overrides, api_key), name=ns.app_name, route_prefix="/")
-        url = f"http://{ns.host}:{ns.port}"
+        urls = ingress_urls(ns.app_name, config.ingress_replicas)
+        url = urls[0]
         dashboard = getattr(context, "dashboard_url", None)
         print(f"minedraft: serving '{config.served_model_name}' ({config.mode}, k={config.k}, "
               f"max_batch={config.max_batch})", flush=True)
         print(f"minedraft: API       {url}/v1  (health: {url}/health)", flush=True)
+        for other in urls[1:]:
+            print(f"minedraft: API       {other}/v1  (another ingress replica: spread clients over them)", flush=True)
         print(f"minedraft: dashboard {'http://' + dashboard if dashboard else 'off'}", flush=True)
         if not ns.address and os.environ.get("RAY_AUTH_TOKEN_PATH"):
             print(f"minedraft: Ray token {os.environ['RAY_AUTH_TOKEN_PATH']}  (Ray token authentication: "
@@ -181,6 +194,15 @@ def cmd_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def free_port(host: str, port: int = 0) -> int:
+    """`port` on `host` if it is free (OSError if not), or any free one."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, port))
+        return s.getsockname()[1]
 
 
 def cmd_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

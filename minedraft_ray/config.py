@@ -124,6 +124,11 @@ class EngineConfig(BaseModel):
     ingress_max_replicas: int | None = Field(None, ge=1, description="autoscale ingress replicas up to this many")
     ingress_cpus: float = Field(0.1, gt=0, description="CPUs reserved per ingress replica (a Ray reservation, "
                                 "not a cap: what it takes from the cluster's schedulable CPUs)")
+    ingress_http: Literal["auto", "proxy", "direct"] = Field(
+        "auto", description="how clients reach the ingress: 'proxy' (Serve's HTTP proxy: one URL for all ingress "
+        "replicas), 'direct' (each ingress replica serves HTTP itself, a URL each, no proxy hop; the Ray instance "
+        "needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1, which `minedraft serve` sets on its own) or 'auto' (direct on "
+        "`minedraft serve`'s own instance with one fixed ingress replica, else what the Ray instance runs)")
     # ingress and failure handling (serve/guard.py, serve/app.py, docs/security.md)
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest request body in bytes; a larger "
                                 "one is answered 413")

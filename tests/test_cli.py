@@ -193,6 +193,78 @@ def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
     assert code == 0 and "shutting down" in cmd.output()
 
 
+def test_minedraft_serve_with_direct_ingress(run_env, tmp_path):
+    """`--ingress-http direct`: each ingress replica serves HTTP itself, on --port and the next port, on 127.0.0.1
+    like every other listener of the instance (Serve's remaining proxy too, on a port of its own); through each, the
+    official client streams, the key is required, errors are OpenAI's JSON, /metrics answers, and the ingress guard
+    closes a client that never finishes its headers."""
+    import re
+
+    import openai
+
+    model = default_model_name(run_env)
+    port = free_port()
+    env = {**run_env, "MINEDRAFT_API_KEY": "sekret"}
+    cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--no-dashboard", "--ingress-http", "direct",
+                   "--ingress-replicas", "2", "--mode", "ar", "--draft", "none", "--max-batch", "4",
+                   "--header-timeout-s", "2"], env, tmp_path / "serve.log")
+    try:
+        out = cmd.wait_for("Ctrl-C to stop", timeout=300)
+        urls = re.findall(r"API\s+(http://\S+)/v1", out)
+        assert urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"], out[-2000:]
+        group = _descendants(cmd.proc.pid)   # Ray's workers have sessions of their own: not in the group
+        lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+        ours = [(line.split()[3], line.split()[-1]) for line in lines
+                if {int(p) for p in re.findall(r"pid=(\d+)", line)} & group]
+        assert not [(a, p) for a, p in ours if a.rsplit(":", 1)[0] not in ("127.0.0.1", "[::ffff:127.0.0.1]")], ours
+        for api_port in (port, port + 1):   # held by the ingress replicas, not by Serve's proxy
+            assert [p for a, p in ours if a.endswith(f":{api_port}")] and \
+                all("ServeRepli" in p for a, p in ours if a.endswith(f":{api_port}")), ours
+        assert any("ProxyActor" in p for _, p in ours), ours
+        for url in urls:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", timeout=120, max_retries=0)
+            stream = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=12, temperature=0,
+                                               stream=True, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
+            chunks = list(stream)
+            assert chunks[-1].usage.completion_tokens == 12 and "".join(c.choices[0].text for c in chunks[:-1])
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+            with pytest.raises(openai.NotFoundError) as missing:
+                client.completions.create(model="nope", prompt="hi", max_tokens=2)
+            assert missing.value.body["code"] == "model_not_found"
+            bad = requests.post(url + "/v1/completions", data=b"{", timeout=30,
+                                headers={"Authorization": "Bearer sekret", "Content-Type": "application/json"})
+            assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+            assert "Traceback" not in bad.text
+            assert requests.get(url + "/metrics", timeout=30).status_code == 401
+            metrics = requests.get(url + "/metrics", headers={"Authorization": "Bearer sekret"}, timeout=30)
+            assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as slow:
+                slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # never ends its headers
+                t = time.time()
+                assert slow.recv(1024) == b"" and time.time() - t < 5   # closed by the guard's header timeout
+        # a client that goes away mid-stream: the replica sees the disconnect itself and the engine drops the request
+        auth = {"Authorization": "Bearer sekret"}
+        info = lambda: requests.get(urls[1] + "/v1/minedraft/info", headers=auth, timeout=30).json()  # noqa: E731
+        before = info()["aborted"]
+        r = requests.post(urls[1] + "/v1/completions", stream=True, timeout=60, headers=auth,
+                          json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 200, "ignore_eos": True,
+                                "stream": True})
+        lines = r.iter_lines()
+        while not next(lines).startswith(b"data: "):
+            pass
+        r.close()
+        deadline = time.time() + 30
+        while (info()["aborted"] == before or info()["slots_in_use"]) and time.time() < deadline:
+            time.sleep(0.2)
+        state = info()
+        assert state["aborted"] == before + 1 and state["slots_in_use"] == 0 and state["running"] == 0
+    finally:
+        code = cmd.interrupt()
+    assert code == 0 and "shutting down" in cmd.output()
+
+
 def content_of_tokens(n: int) -> str:
     """A user message that the default pair's chat template makes a prompt of at most n tokens, and more than
     n - 8."""
@@ -236,6 +308,21 @@ def check_locked_down(cmd: "Command", out: str, dashboard_port: int) -> None:
             except requests.RequestException:
                 continue   # its gRPC port
             assert r.status_code in (401, 404, 405), (address, r.status_code)   # never runs the job
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it."""
+    parent = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent[int(p)] = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, frontier = {root}, {root}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
 
 
 def _pgid(pid: int) -> int | None:

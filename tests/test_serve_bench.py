@@ -67,13 +67,14 @@ def test_engine_gaps_per_batch_chain():
 
 
 def test_merge_replaces_a_configuration():
-    row = {"mode": "ar", "tp": 1, "max_batch": 4, "workload": "closed", "http_tokens_per_s": 1.0}
+    row = {"mode": "ar", "tp": 1, "max_batch": 4, "workload": "closed", "http_tokens_per_s": 1.0, "ingress_http": "proxy"}
     other = {**row, "mode": "sd"}
     assert merge([row, other], [{**row, "http_tokens_per_s": 2.0}]) == [{**row, "http_tokens_per_s": 2.0}, other]
-    # a row from before the tp column ran at tp 1; another tp is another configuration
-    old = {k: v for k, v in row.items() if k != "tp"}
-    assert merge([old], [{**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}]) == [
-        {**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}]
+    # a row from before the tp column ran at tp 1, one from before ingress_http through the proxy; another tp, or
+    # direct ingress, is another configuration
+    old = {k: v for k, v in row.items() if k not in ("tp", "ingress_http")}
+    assert merge([old], [{**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}, {**row, "ingress_http": "direct"}]) == [
+        {**row, "http_tokens_per_s": 3.0}, {**row, "tp": 2}, {**row, "ingress_http": "direct"}]
 
 
 def test_smoke(ray_cluster, tmp_path):

@@ -1,6 +1,7 @@
 """serve/streams.py with a real Mailbox actor in the session's Ray cluster: the engine side sends a request's outputs
-merged, at most once per interval except its first and last; the ingress side applies each delivery to its
-requests off the loop, and fails the requests of a mailbox that died."""
+merged, at most once per interval except its first and last, released on a grid one interval apart even while the
+engine replica's loop is busy committing steps; the ingress side applies each delivery to its requests off the
+loop, and fails the requests of a mailbox that died."""
 import asyncio
 import concurrent.futures
 import pickle
@@ -10,7 +11,8 @@ import time
 import pytest
 
 from minedraft_ray.runtime.manager import StepOutput
-from minedraft_ray.serve.streams import Accepted, OutputBatcher, StreamRouter, merge_outputs, start_mailbox
+from minedraft_ray.serve.streams import (Accepted, FlushGrid, OutputBatcher, StreamRouter, merge_outputs,
+                                         start_mailbox)
 
 
 class Outputs:
@@ -94,21 +96,143 @@ def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
     asyncio.run(scenario())
 
 
-def test_flush_records_say_how_late_the_busy_loop_let_a_flush_go(ray_cluster):
+def busy_loop_releases(steps_s: list[float], commit_s: float, interval_s: float) -> list[float]:
+    """When FlushGrid releases the outputs of a request in every step, on an engine replica whose event loop runs the
+    step loop: step i's result arrives after steps_s[i] (the steps run back to back), its commit holds the loop for
+    `commit_s` and ends with `step_done`; the fallback timer for a grid time fires then, or at the end of the commit
+    it falls into (asyncio runs a due timer only between callbacks). Release times, seconds."""
+    grid, releases, pending, free_from = FlushGrid(interval_s), [], False, 0.0
+    arrive = 0.0
+    for step in steps_s:
+        arrive += step
+        if pending and grid.due(free_from) < arrive:   # the loop is idle at the grid time: the timer fires on time
+            releases.append(grid.at_timer(max(grid.due(free_from), free_from)))
+            pending = False
+        free_from = arrive + commit_s
+        pending = True                                   # this step's output, put during its commit
+        grid.observe_step(step)
+        release = grid.at_step_end(free_from, pending)
+        if release is not None:
+            releases.append(release)
+            pending = False
+    return releases
+
+
+def gaps_ms(times: list[float]) -> list[float]:
+    return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+
+
+@pytest.mark.parametrize("step_ms, commit_ms", [(11.1, 8.0), (6.1, 5.0), (11.1, 1.0), (30.0, 10.0)])
+def test_releases_keep_the_interval_while_commits_keep_the_loop_busy(step_ms, commit_ms):
+    """Chunk gaps centre on the stream interval, not on a multiple of the step: a timer on the busy loop alone
+    releases at the end of the commit a grid time falls into (11.1 ms steps: gaps of 11.1 and 22.2 ms, median 22.2).
+    Steps slower than the interval release every step."""
+    releases = busy_loop_releases([step_ms / 1e3] * 600, commit_ms / 1e3, 0.020)
+    gaps = gaps_ms(releases)
+    expected = max(step_ms, 20.0)
+    assert all(abs(g - expected) < 0.01 for g in gaps[1:]), sorted(set(round(g, 1) for g in gaps))
+    span = 600 * step_ms
+    assert abs(len(releases) - span / expected) <= 2   # one chunk per interval: as many as before
+
+
+def test_an_interval_of_zero_releases_every_step():
+    releases = busy_loop_releases([0.0111] * 50, 0.008, 0.0)
+    assert len(releases) == 50 and all(abs(g - 11.1) < 0.01 for g in gaps_ms(releases))
+
+
+def test_long_steps_among_short_ones_keep_the_median_on_the_interval():
+    """Prefill chunks lengthen every third step past the interval: the median gap stays the interval, a step that
+    spans a grid time releases as it ends (the gap: the interval plus part of that step, not two intervals), and the
+    grid keeps its phase (as many releases as intervals)."""
+    steps = [0.023 if i % 3 == 2 else 0.0111 for i in range(900)]
+    gaps = sorted(gaps_ms(busy_loop_releases(steps, 0.008, 0.020)))
+    assert abs(gaps[len(gaps) // 2] - 20.0) < 0.01
+    assert gaps[-1] < 20.0 + 23.0
+    assert abs(len(gaps) + 1 - sum(steps) / 0.020) <= 0.05 * sum(steps) / 0.020
+
+
+def test_mailbox_holds_a_batch_until_its_release_time(ray_cluster):
+    import ray
+
+    from minedraft_ray.serve.streams import Mailbox
+
+    async def scenario():
+        mailbox = Mailbox.remote()
+        await mailbox.alive.remote()
+        t0 = time.monotonic()
+        await mailbox.put.remote(0, {"s": pickle.dumps([StepOutput("a", [1])])}, t0 + 0.4)   # sent ahead
+        await mailbox.put.remote(1, {"s": pickle.dumps([StepOutput("b", [2])])})            # at once
+        first = unpickled(await mailbox.take.remote("s"))
+        assert [o.request_id for o in first] == ["b"] and time.monotonic() < t0 + 0.4
+        second = unpickled(await mailbox.take.remote("s"))
+        assert [o.request_id for o in second] == ["a"] and time.monotonic() >= t0 + 0.4
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
+def test_a_grid_time_goes_ahead_of_a_busy_step_and_a_finish_does_not_overtake_it(ray_cluster):
     async def scenario():
         mailbox = start_mailbox()
-        batcher = OutputBatcher(mailbox, interval_s=0.05)
-        batcher.put("ingress", StepOutput("b", [2]))                   # an idle grid: at once
-        await asyncio.sleep(0.01)
-        for token in (3, 4):                                           # the next interval's
-            batcher.put("ingress", StepOutput("a", [token]))
-            batcher.put("ingress", StepOutput("b", [token]))
-        batcher.put("ingress", StepOutput("c", [1]), urgent=True)      # at once, alone: not an interval flush
-        time.sleep(0.2)   # the loop is held past the flush's grid time
-        await asyncio.sleep(0.01)
-        on_time, late = batcher.history
-        assert on_time.requests == 1 and on_time.late_ms < 100
-        assert late.requests == 2 and late.late_ms >= 150 and late.t > on_time.t
+        await mailbox.alive.remote()
+        batcher = OutputBatcher(mailbox, interval_s=1.0)
+        batcher.put("ingress", StepOutput("a", [1]), urgent=True)           # the first output: at once
+        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("ingress"))] == [[1]]
+        batcher.put("ingress", StepOutput("a", [2]))
+        batcher.put("ingress", StepOutput("b", [7]))
+        due = batcher.grid.next_due
+        await asyncio.sleep(0.3)
+        batcher.step_done(0.8)            # the next step's commit would end past the grid time: sent now, held
+        sent = batcher.history[-1]
+        assert sent.requests == 2 and sent.late_ms == 0 and sent.held_ms > 300
+        batcher.put("ingress", StepOutput("b", [8]))                         # the next grid time's
+        batcher.put("ingress", StepOutput("a", [3], finished=True, finish_reason="length"))
+        got = unpickled(await mailbox.take.remote("ingress"))
+        assert time.monotonic() >= due                                       # released at the grid time
+        # a's finish went at once but not before a's held output: released with it, after it
+        assert [(o.request_id, o.new_token_ids) for o in got] == [("a", [2]), ("b", [7]), ("a", [3])]
+        assert batcher.pending["ingress"].keys() == {"b"}
+        import ray
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
+def test_the_timer_sends_late_when_the_loop_is_held(ray_cluster):
+    async def scenario():
+        mailbox = start_mailbox()
+        await mailbox.alive.remote()
+        batcher = OutputBatcher(mailbox, interval_s=0.5)
+        batcher.put("ingress", StepOutput("a", [1]), urgent=True)
+        await mailbox.take.remote("ingress")
+        batcher.put("ingress", StepOutput("a", [2]))   # no step ends near the grid time: the timer sends it
+        time.sleep(0.8)                                # the loop is held past the grid time
+        await asyncio.sleep(0.05)
+        late = batcher.history[-1]
+        assert late.requests == 1 and late.late_ms >= 250 and late.held_ms == 0
+        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("ingress"))] == [[2]]
+        import ray
+        ray.kill(mailbox)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_missed_a_grid_time_goes_at_once(ray_cluster):
+    """b's outputs keep the grid going; a's step took longer than an interval (a's batch in psd, a long prefill):
+    its output goes as it comes, not at the next grid time."""
+    async def scenario():
+        mailbox = start_mailbox()
+        await mailbox.alive.remote()
+        batcher = OutputBatcher(mailbox, interval_s=1.0)
+        batcher.put("ingress", StepOutput("a", [1]), urgent=True)
+        await mailbox.take.remote("ingress")
+        batcher.put("ingress", StepOutput("b", [5]))                     # the grid's first time: 1 s on
+        assert [o.request_id for o in unpickled(await mailbox.take.remote("ingress"))] == ["b"]
+        await asyncio.sleep(0.1)                                        # a has had nothing for over an interval
+        t = time.monotonic()
+        batcher.put("ingress", StepOutput("a", [2]))
+        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("ingress"))] == [[2]]
+        assert time.monotonic() - t < 0.5                               # the next grid time is 0.9 s away
         import ray
         ray.kill(mailbox)
 
@@ -177,6 +301,32 @@ def test_ingress_settings():
         EngineConfig(ingress_replicas=5, ingress_max_replicas=4)
     env = EngineConfig.from_env(environ={"MINEDRAFT_INGRESS_MAX_REPLICAS": "none", "MINEDRAFT_INGRESS_CPUS": "2"})
     assert env.ingress_max_replicas is None and env.ingress_cpus == 2.0
+
+
+def test_direct_ingress_settings():
+    """`ingress_http: direct` needs Ray's direct ingress on the instance (a setting of its processes' environment):
+    refused clearly without it; auto takes what the instance runs, and on an instance of its own runs direct ingress
+    for one fixed ingress replica (one URL) and the proxy for several (one URL spread over them). The private
+    instance's environment puts the replicas on --port and up."""
+    from minedraft_ray.config import EngineConfig
+    from minedraft_ray.serve.ingress_http import (check_ingress_http, direct_ingress_environ,
+                                                  private_instance_runs_direct)
+
+    assert EngineConfig().ingress_http == "auto" and private_instance_runs_direct(EngineConfig())
+    assert not private_instance_runs_direct(EngineConfig(ingress_replicas=2))
+    assert not private_instance_runs_direct(EngineConfig(ingress_max_replicas=3))
+    assert private_instance_runs_direct(EngineConfig(ingress_http="direct", ingress_replicas=2))
+    assert not private_instance_runs_direct(EngineConfig(ingress_http="proxy"))
+    for setting in ("auto", "proxy"):
+        check_ingress_http(setting, environ={})
+    with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_DIRECT_INGRESS=1"):
+        check_ingress_http("direct", environ={})
+    env = direct_ingress_environ(8000, 2)
+    check_ingress_http("direct", environ=env)
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8000" and env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8004"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+    with pytest.raises(ValueError):
+        EngineConfig(ingress_http="haproxy")
 
 
 def test_loop_lag_watch_sees_a_blocked_loop():

@@ -65,6 +65,7 @@ from .detokenize import OutputText, TokenStrings
 from .loop_lag import LoopLagWatch
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
+from .ingress_http import check_ingress_http
 from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
@@ -106,6 +107,8 @@ class EngineServer:
         await self.manager.start()
         self.mailbox_key = serve.get_replica_context().replica_id.unique_id
         self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
+        # each step's end, its commit done: where the batcher sends a grid time's outputs ahead of it
+        self.manager.step_listeners.append(lambda record: self.outputs.step_done(record.step_ms / 1e3))
         await self.outputs.mailbox.alive.remote()   # its process is up before the first request waits for it
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
@@ -909,6 +912,7 @@ def build_app(args: dict | None = None):
 
 def build_app_with_key(args: dict | None, api_key: str | None):
     config = load_config(args)
+    check_ingress_http(config.ingress_http)
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
     resolve_model(config.target, config.revision, config.download_dir)
     resolve_model(config.draft, config.draft_revision, config.download_dir)

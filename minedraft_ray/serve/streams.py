@@ -7,10 +7,18 @@ at a few hundred streams the items, not the engine, set the pace. Here a request
 (`EngineServer.generate`) carries only its admission (`Accepted`) and stays open as the request's handle
 (cancelling it aborts the request on the replica that holds it); the manager puts its outputs into a `RequestSink`,
 straight into the replica's `OutputBatcher`, which merges each request's outputs and sends everything pending to
-the replica's `Mailbox` actor in one call per `stream_interval_ms` (a request's first output and its last go at
-once). Each ingress replica long-polls the mailboxes of the engine replicas it has requests on (`StreamRouter`) and
+the replica's `Mailbox` actor once per `stream_interval_ms` (a request's first output and its last go at once).
+Each ingress replica long-polls the mailboxes of the engine replicas it has requests on (`StreamRouter`) and
 applies each delivery to its requests in one call off the event loop. The mailbox is owned by the engine replica's
 process, so it dies with it and the pollers see the failure.
+
+When the outputs go out (`FlushGrid`): on a fixed grid of one release per interval. The engine replica's event loop
+runs the step loop, and at a large batch committing a step keeps it busy for most of the step, so a timer on that
+loop fires at the end of the commit it fell into: the releases would land on step ends, and the gaps between a
+request's chunks on multiples of the step (two 11 ms steps: 22 ms gaps against a 20 ms interval). So the batcher
+sends a grid time's outputs at the end of the last step whose commit ends before it (the measured step time says
+which one that is) and the mailbox, whose loop is idle, holds them until the grid time. A step that ends after a grid
+time with nothing sent for it sends at once; the timer on the loop is the fallback when no step ends near a grid time.
 """
 from __future__ import annotations
 
@@ -45,9 +53,58 @@ class Accepted:
 @dataclass(frozen=True)
 class FlushRecord:
     """One interval flush of an engine replica's outputs, for benchmarks (EngineServer.flushes_since)."""
-    t: float                         # wall clock
-    late_ms: float                   # after its grid time: the replica's event loop (the step loop's) was busy
+    t: float                         # wall clock when it was sent
+    late_ms: float                   # its release after its grid time: the replica's event loop was busy then
+    held_ms: float                   # sent this long before its grid time, the mailbox holding it until then
     requests: int                    # requests with outputs in it
+
+
+@dataclass
+class FlushGrid:
+    """When an engine replica's merged outputs are released (monotonic clock, seconds): grid times one interval
+    apart, kept without drift. Pure bookkeeping: `OutputBatcher` asks it at each step's end and when its timer fires.
+
+    At the end of a step's commit (the replica's loop is free again until the next result arrives) the pending
+    outputs are sent when the next commit is expected to end after the grid time (`step_s` ahead), released at the
+    grid time; at once when the grid time has passed, or when steps take longer than the interval. Otherwise they
+    wait for a later step or for the timer."""
+    interval_s: float
+    next_due: float | None = None    # the next grid time; None until the first output
+    step_s: float | None = None      # the engine's step, smoothed over its recent steps
+
+    STEP_WEIGHT = 0.25               # of the newest step in `step_s`: a few steps' memory, so a prefill spike fades
+
+    def due(self, now: float) -> float:
+        if self.next_due is None:   # the grid starts an interval after the first output
+            self.next_due = now + self.interval_s
+        return self.next_due
+
+    def observe_step(self, step_s: float) -> None:
+        self.step_s = step_s if self.step_s is None else self.step_s + self.STEP_WEIGHT * (step_s - self.step_s)
+
+    def at_step_end(self, now: float, pending: bool) -> float | None:
+        """A step's commit ended at `now`: the release time of the pending outputs if they go now, else None."""
+        due = self.due(now)
+        slow = self.step_s is not None and self.step_s >= self.interval_s   # every step is a chunk of its own
+        if now >= due or (pending and slow):   # at once (a grid time that passed with nothing pending is skipped)
+            self._pass(now)
+            return now if pending else None
+        if pending and self.step_s is not None and now + self.step_s > due:   # the next commit ends past it
+            self._pass(due)
+            return due
+        return None
+
+    def at_timer(self, now: float) -> float:
+        """The loop's timer for the grid time fired at `now` (at or after it): the release time, now."""
+        self._pass(max(now, self.due(now)))
+        return now
+
+    def _pass(self, t: float) -> None:
+        """The next grid time is the first one after `t` (an interval of 0: every step is one)."""
+        due = self.due(t)
+        if t >= due:
+            self.next_due = t if self.interval_s <= 0 else \
+                due + (int((t - due) / self.interval_s) + 1) * self.interval_s
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -59,32 +116,35 @@ def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
 
 @ray.remote(num_cpus=0)
 class Mailbox:
-    """Outputs of one engine replica waiting for their ingress replicas (subscribers). A batch is kept as the bytes
-    the engine pickled: the mailbox neither unpickles nor imports what it carries."""
+    """Outputs of one engine replica waiting for their ingress replicas (subscribers), each batch until its release
+    time (time.monotonic of this node: the engine replica sends a grid time's outputs ahead of it, FlushGrid). A batch
+    is kept as the bytes the engine pickled: the mailbox neither unpickles nor imports what it carries."""
 
     def __init__(self, stale_s: float = STALE_S):
         self.stale_s = stale_s
-        self.boxes: dict[str, list[bytes]] = defaultdict(list)
+        self.boxes: dict[str, list[tuple[float, bytes]]] = defaultdict(list)   # (release time, batch), in order
         self.ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.last_seen: dict[str, float] = {}
         self.next_seq = 0
-        self.early: dict[int, dict[str, bytes]] = {}   # batches that overtook an earlier one
+        self.early: dict[int, tuple[dict[str, bytes], float]] = {}   # batches that overtook an earlier one
 
     async def alive(self) -> bool:
         return True
 
-    async def put(self, seq: int, batch: dict[str, bytes]) -> None:
-        """Batch `seq` of the engine replica's sequence: applied in that order (Ray does not keep the order of one
-        caller's tasks on an async actor), so a request's outputs stay in order."""
-        self.early[seq] = batch
+    async def put(self, seq: int, batch: dict[str, bytes], release_at: float = 0.0) -> None:
+        """Batch `seq` of the engine replica's sequence, released to its subscribers at `release_at` (0: at once):
+        applied in seq order (Ray does not keep the order of one caller's tasks on an async actor). A request's
+        later outputs never have an earlier release time than its earlier ones (OutputBatcher), so each request's
+        outputs stay in order."""
+        self.early[seq] = (batch, release_at)
         while self.next_seq in self.early:
-            self._apply(self.early.pop(self.next_seq))
+            self._apply(*self.early.pop(self.next_seq))
             self.next_seq += 1
 
-    def _apply(self, batch: dict[str, bytes]) -> None:
+    def _apply(self, batch: dict[str, bytes], release_at: float) -> None:
         now = time.monotonic()
         for subscriber, outs in batch.items():
-            self.boxes[subscriber].append(outs)
+            self.boxes[subscriber].append((release_at, outs))
             self.last_seen.setdefault(subscriber, now)
             self.ready[subscriber].set()
         for subscriber in [s for s, seen in self.last_seen.items() if now - seen > self.stale_s]:
@@ -92,19 +152,33 @@ class Mailbox:
             self.ready.pop(subscriber, None)
             self.last_seen.pop(subscriber, None)
 
+    def _released(self, subscriber: str, now: float) -> list[bytes]:
+        box = self.boxes.get(subscriber)
+        if not box:
+            return []
+        out = [outs for release_at, outs in box if release_at <= now]
+        if out:
+            self.boxes[subscriber] = [entry for entry in box if entry[0] > now]
+        return out
+
     async def take(self, subscriber: str, timeout_s: float = POLL_S) -> list[bytes]:
-        """Everything waiting for `subscriber` (pickled lists of StepOutput, oldest first), at once if there is
-        some, else as soon as some comes (or [])."""
-        self.last_seen[subscriber] = time.monotonic()
-        if not self.boxes.get(subscriber):
+        """Everything released for `subscriber` (pickled lists of StepOutput, oldest first), at once if there is
+        some, else as soon as some is (or [] after timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            self.last_seen[subscriber] = now
+            out = self._released(subscriber, now)
+            if out or now >= deadline:
+                return out
+            held = self.boxes.get(subscriber)
+            wake = min([deadline] + [release_at for release_at, _ in held or ()])
             ready = self.ready[subscriber]
             ready.clear()
-            try:
-                await asyncio.wait_for(ready.wait(), timeout_s)
+            try:   # a new batch, or the earliest held one's release time
+                await asyncio.wait_for(ready.wait(), max(wake - now, 0.0))
             except asyncio.TimeoutError:
-                return []
-        self.last_seen[subscriber] = time.monotonic()
-        return self.boxes.pop(subscriber, [])
+                pass
 
 
 def start_mailbox():
@@ -114,18 +188,21 @@ def start_mailbox():
 
 
 class OutputBatcher:
-    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox on a
-    grid of one flush per interval; a request's first output and its last go at once, alone (with what that request
-    had pending), so neither an arrival nor a finish sends the other requests an extra chunk or shifts their grid."""
+    """Engine side: outputs of every request on this replica, merged per request and sent to the mailbox once per
+    interval, released there on `FlushGrid`'s grid. A request's first output and its last go at once, alone (with what
+    that request had pending), so neither an arrival nor a finish sends the other requests an extra chunk or shifts
+    their grid; so does the output of a request that got nothing for an interval (its steps are slower than the
+    interval, or a long one missed a grid time). `step_done` is called at the end of every step's commit."""
 
     def __init__(self, mailbox, interval_s: float):
         self.mailbox, self.interval_s = mailbox, interval_s
+        self.grid = FlushGrid(interval_s)
         self.pending: dict[str, dict[str, StepOutput]] = {}   # subscriber -> request id -> merged output
         self.urgent: dict[str, set[str]] = {}                 # subscriber -> request ids to send at once
+        self.released: dict[str, float] = {}                  # request id -> release time of its latest output sent
+        self.pending_since: float | None = None               # the oldest pending output's arrival (for lateness)
         self.seq = 0
-        self.next_tick = 0.0          # the grid: the earliest time of the next interval's flush
-        self.due = 0.0                # when the scheduled interval's flush is due
-        self.tick: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.timer: asyncio.TimerHandle | None = None         # the grid time's fallback on the loop
         self.rush: asyncio.Handle | None = None
         self.history: deque[FlushRecord] = deque(maxlen=100_000)   # one per interval flush
 
@@ -133,52 +210,93 @@ class OutputBatcher:
         outs = self.pending.setdefault(subscriber, {})
         prev = outs.get(out.request_id)
         outs[out.request_id] = out if prev is None else merge_outputs(prev, out)
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if urgent or out.finished:
+        now = time.monotonic()
+        if urgent or out.finished or now - self.released.get(out.request_id, now) >= self.interval_s:
             self.urgent.setdefault(subscriber, set()).add(out.request_id)
             if self.rush is None:
-                self.rush = loop.call_soon(self._flush_urgent)
-            if self.tick is None and self.next_tick <= now:   # an idle grid starts here: next output an interval on
-                self.next_tick = now + self.interval_s
+                self.rush = asyncio.get_running_loop().call_soon(self._flush_urgent)
             return
-        if self.tick is None:
-            self.due = max(now, self.next_tick)
-            self.tick = loop.call_soon(self.flush) if self.due <= now else loop.call_at(self.due, self.flush)
+        if self.pending_since is None:
+            self.pending_since = now
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(max(self.grid.due(now) - now, 0.0), self._on_timer)
 
-    def _send(self, batch: dict[str, list[StepOutput]]) -> None:
+    def step_done(self, step_s: float) -> None:
+        """A step's commit ended (its outputs are in); `step_s`: the engine's measure of that step."""
+        self.grid.observe_step(step_s)
+        now = time.monotonic()
+        due = self.grid.due(now)
+        release_at = self.grid.at_step_end(now, self._has_pending())
+        if release_at is not None:
+            self._flush(now, due, release_at)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        now = time.monotonic()
+        due = self.grid.due(now)
+        release_at = self.grid.at_timer(now)
+        if self._has_pending():
+            self._flush(now, due, release_at)
+
+    def _has_pending(self) -> bool:
+        return any(self.pending.values())
+
+    def _send(self, batch: dict[str, list[StepOutput]], release_at: float) -> None:
         if batch:
             self.mailbox.put.remote(self.seq, {subscriber: pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
-                                               for subscriber, outs in batch.items()})
+                                               for subscriber, outs in batch.items()}, release_at)
             self.seq += 1
+            for outs in batch.values():
+                for out in outs:
+                    if out.finished:
+                        self.released.pop(out.request_id, None)
+                    else:
+                        self.released[out.request_id] = release_at
 
     def _flush_urgent(self) -> None:
+        """The urgent requests' outputs, at once; a last output not before its request's output the mailbox
+        holds (sent ahead of its grid time), which it must not overtake."""
         self.rush = None
-        batch = {}
+        now = time.monotonic()
+        by_release: dict[float, dict[str, list[StepOutput]]] = {}
         for subscriber, ids in self.urgent.items():
             outs = self.pending.get(subscriber, {})
-            batch[subscriber] = [outs.pop(i) for i in ids if i in outs]
+            for request_id in ids:
+                if request_id in outs:
+                    release_at = max(now, self.released.get(request_id, now))
+                    by_release.setdefault(release_at, {}).setdefault(subscriber, []).append(outs.pop(request_id))
             if not outs:
                 self.pending.pop(subscriber, None)
         self.urgent = {}
-        self._send({subscriber: outs for subscriber, outs in batch.items() if outs})
+        for release_at, batch in sorted(by_release.items()):
+            self._send(batch, release_at)
 
-    def flush(self) -> None:
-        """The interval's flush: everything pending. The next one is due an interval after this one was (lateness
-        does not add up)."""
-        now = asyncio.get_running_loop().time()
-        self.tick = None
-        self.next_tick = self.due + self.interval_s
-        if self.next_tick < now:   # the loop was held up for over an interval: start the grid afresh
-            self.next_tick = now + self.interval_s
-        self.urgent = {}   # their outputs go now, with the rest
-        if self.rush is not None:
-            self.rush.cancel()
-            self.rush = None
-        batch = {subscriber: list(outs.values()) for subscriber, outs in self.pending.items() if outs}
-        self.pending = {}
-        self._send(batch)
-        self.history.append(FlushRecord(time.time(), (now - self.due) * 1e3, sum(map(len, batch.values()))))
+    def _flush(self, now: float, due: float, release_at: float) -> None:
+        """The interval's flush: everything pending, released at `release_at`. When that is ahead (the mailbox
+        holds it), the urgent outputs (first tokens, finishes) stay behind for the rush, which sends them at once."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if release_at <= now:   # the urgent outputs go now, with the rest
+            self.urgent = {}
+            if self.rush is not None:
+                self.rush.cancel()
+                self.rush = None
+        batch = {}
+        for subscriber, outs in list(self.pending.items()):
+            stay = self.urgent.get(subscriber, ())
+            sent = [outs.pop(request_id) for request_id in [i for i in outs if i not in stay]]
+            if sent:
+                batch[subscriber] = sent
+            if not outs:
+                del self.pending[subscriber]
+        self._send(batch, release_at)
+        # late: after its grid time, or after its oldest output came when that was later (a grid time that passed
+        # with nothing pending is not a delay)
+        late = release_at - max(due, self.pending_since if self.pending_since is not None else now)
+        self.pending_since = None
+        self.history.append(FlushRecord(time.time(), max(late, 0.0) * 1e3, max(release_at - now, 0.0) * 1e3,
+                                        sum(map(len, batch.values()))))
 
 
 class RequestSink:
