@@ -7,12 +7,12 @@ STAMP := $(VENV)/.minedraft-installed
 
 .PHONY: serve test install clean-venv test-vllm
 
+# uv installs (scripts/uv-pip-install.sh: this machine's pip sources, bytecode compiled as pip does); pip itself is
+# installed too, for `.venv/bin/pip install NAME`
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	# torch's CPU build lies on the CPU machines' disk; an unpinned torch would pull a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	PYTHON=$(PYTHON) bash scripts/uv-pip-install.sh -q --python $(PY) --compile-bytecode pip torch==2.13.0 -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
