@@ -2,7 +2,8 @@
 # `uv pip install ARGS...` with this machine's pip sources: the installs of .venv (Makefile) and .venv-vllm
 # (setup-vllm-venv.sh) go through here. uv downloads in parallel and the two venvs share its cache (torch, triton
 # and most of their dependencies are in both), where pip fetched one file at a time: the installs were a large
-# part of a fresh clone's CI run.
+# part of a fresh clone's CI run. uv's own cache (~/.cache/uv, or UV_CACHE_DIR) outlives a clone, so a later clone
+# on the same machine installs from disk.
 # uv reads no pip configuration, so the package sources and constraints pip would use (`pip config list`: the
 # machine's find-links, where torch's CPU build lies, its index URLs and constraint files; PIP_* variables
 # included) are passed on as uv's flags, with pip's index strategy (the best version over all indexes).
@@ -11,8 +12,6 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 UV_VERSION=0.13.9
 UV=.uv/tool/bin/uv
-# the repository's own cache, on the venvs' file system: uv hardlinks from it, and `rm -rf .uv` removes it all
-export UV_CACHE_DIR=${UV_CACHE_DIR:-$PWD/.uv/cache}
 
 mkdir -p .uv
 (   # both venvs install side by side (make -j2): one of them installs uv, the other waits for it
