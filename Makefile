@@ -19,7 +19,14 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	# torch's CPU build lies on the CPU machines' disk; an unpinned torch would pull a multi-GB CUDA build
 	PYTHON=$(PYTHON) bash scripts/uv-pip-install.sh -q --python $(PY) pip torch==2.13.0 -e ".[test]"
+	# the bytecode of what the suite's processes import, written by one process here rather than by the first
+	# processes of both pytest workers and their Ray clusters at once (each would compile torch for itself)
+	$(PY) -c "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]" $(WARM_IMPORTS)
 	touch $(STAMP)
+
+WARM_IMPORTS := minedraft_ray.cli minedraft_ray.serve.app minedraft_ray.runtime.workers minedraft_ray.testing.workers \
+	transformers scipy.stats openai hypothesis triton pyarrow.parquet matplotlib.pyplot xdist ray.util.collective \
+	ray.serve._private.replica ray.serve._private.proxy ray.serve._private.controller ray.dashboard.agent
 
 install: $(STAMP)
 
