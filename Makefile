@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minedraft-installed
 
-.PHONY: serve test install clean-venv test-vllm
+.PHONY: serve test install install-vllm clean-venv test-vllm
 
 # Python writes a module's bytecode when it first imports it; an inherited PYTHONDONTWRITEBYTECODE would make every
 # process of the suite (each Ray actor imports torch) compile its imports again. So uv installs without compiling:
@@ -50,6 +50,8 @@ VLLM_ENV := LD_PRELOAD=$(CURDIR)/.venv-vllm/lib/libiomp5.so VLLM_ENABLE_V1_MULTI
 VLLM_STAMP := .venv-vllm/.vllm-installed
 $(VLLM_STAMP):
 	PYTHON=$(PYTHON) bash scripts/setup-vllm-venv.sh
+
+install-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm
