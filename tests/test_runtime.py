@@ -278,8 +278,8 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     import torch
     from minedraft_ray.config import EngineConfig
     from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, SamplingRow, SpecWorker, WorkerConfig,
-                                               shared_vocab)
+    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, SpecWorker,
+                                               VerifierResult, WorkerConfig, shared_vocab)
 
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                           device="cpu", torch_threads=1, draft_temperature=draft_temperature)
@@ -290,8 +290,11 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     rows = [PrefillRow(s, 0, p, r) for s, p, r in zip(slots, prompts, greedy_rows)]
     tables = [KVEdits(*(whole_tables(w, model, slots, 64) for model in ("target", "draft")))
               for w in (state_worker, host_worker)]
-    first = state_worker.prefill(0, rows, 0, tables[0]).tokens
-    assert host_worker.prefill(0, rows, 0, tables[1]).tokens == first
+    def prefill(worker, task):
+        return VerifierResult.from_wire(worker.prefill(task.to_wire())).tokens
+
+    first = prefill(state_worker, PrefillTask(0, rows, 0, tables[0]))
+    assert prefill(host_worker, PrefillTask(0, rows, 0, tables[1])) == first
     sequences = [p + f for p, f in zip(prompts, first)]
     for seq in range(1, 4):   # a few sd steps: state path on one worker, host rows on the other
         st = state_worker.state
@@ -306,7 +309,7 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
             assert torch.allclose(q_state, q_host, atol=1e-6)
         else:
             assert q_state is None and q_host is None
-        tokens = state_worker.step(seq, slots, 3, 0).tokens
+        tokens = VerifierResult.from_wire(state_worker.step(SpecStep(seq, slots, 3).to_wire())).tokens
         sequences = [seq + t for seq, t in zip(sequences, tokens)]
         assert state_worker.state.last_token[slot_t].tolist() == [seq[-1] for seq in sequences]
         assert state_worker.state.prev_token[slot_t].tolist() == [seq[-2] for seq in sequences]
@@ -320,8 +323,8 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, KVEdits, PrefillRow, VerifierResult,
-                                               WorkerConfig, shared_vocab)
+    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, KVEdits, PrefillRow, PrefillTask,
+                                               VerifierResult, WorkerConfig, shared_vocab)
 
     k = 3
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,
@@ -329,11 +332,12 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     cfg = WorkerConfig(engine.model_dump(), shared_vocab(engine))
     ahead, scratch = DrafterWorker(cfg, 4), DrafterWorker(cfg, 4)
     prompts, slots, seeds = [[5, 17, 42, 9], [3] * 11, [7]], [2, 0, 3], [10, 11, 12]
-    ahead.prefill(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)],
-                  KVEdits(draft=whole_tables(ahead, "draft", slots, 64)))
+    ahead.prefill(PrefillTask(0, [PrefillRow(s, 0, p) for s, p in zip(slots, prompts)],
+                              tables=KVEdits(draft=whole_tables(ahead, "draft", slots, 64))).to_wire())
     scratch_tables = [KVEdits(draft=whole_tables(scratch, "draft", slots, 64))]   # sent with its first round
-    prefill_result = VerifierResult([[31], [32], [33]], None, 0.0)   # the first token
-    verify_result = VerifierResult([[41], [42], [43]], None, 0.0)    # a first verify without drafts: one token
+    # results as the verifier returns them (wire forms)
+    prefill_result = VerifierResult([[31], [32], [33]], None, 0.0).to_wire()   # the first token
+    verify_result = VerifierResult([[41], [42], [43]], None, 0.0).to_wire()    # a first verify without drafts
     sequences = [p + [31 + i, 41 + i] for i, p in enumerate(prompts)]
 
     def round_of(seq, rows, positions):
@@ -343,9 +347,9 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
                           else None)
 
     def compare(rows, positions, *sources):
-        ids, _ = ahead.draft(round_of(1, rows, positions), *sources)
+        ids, _ = ahead.draft(round_of(1, rows, positions).to_wire(), *sources)
         full = [(slot, 0, seq, [], False) for slot, seq in zip(slots, sequences)]   # catch up from scratch
-        ref, _ = scratch.draft(round_of(0, full, [len(s) - len(p) for s, p in zip(sequences, prompts)]))
+        ref, _ = scratch.draft(round_of(0, full, [len(s) - len(p) for s, p in zip(sequences, prompts)]).to_wire())
         assert ids["ids"] == ref["ids"]
         if draft_temperature:   # q travels packed: the drafter's top 64 (prob, id) pairs of the 512-token vocabulary
             assert ids["probs"].shape == (3, k, 2 * 64) and np.allclose(ids["probs"], ref["probs"], atol=1e-6)
@@ -363,7 +367,7 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
         sequences = [s + e for s, e in zip(committed, emitted)]
         rows = [(slot, len(c) - 2, c[-2:], [(0, i)], True) for i, (slot, c) in enumerate(zip(slots, committed))]
         drafts = compare(rows, [len(c) - len(p) for c, p in zip(committed, prompts)],
-                         VerifierResult(emitted, None, 0.0))
+                         VerifierResult(emitted, None, 0.0).to_wire())
 
 
 def test_step_timer_on_cpu_times_its_block_not_the_read():

@@ -28,10 +28,12 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
   a preempted request had nothing in flight, and every request is admitted once more than it is preempted.
 """
 import ast
+import gc
 import pathlib
 import random
 import subprocess
 import sys
+import weakref
 from collections import deque
 
 import pytest
@@ -670,6 +672,35 @@ def test_psd_splits_and_rebalances_a_burst():
         check_all(driver)
         splits += not sched.one_batch and all(sched.batches)
     assert splits > 0 and len(driver.finished) == 10 and sched.slots.num_used == 0
+
+
+@pytest.mark.parametrize("mode", ["psd", "sd_split"])
+def test_committed_plans_are_freed_while_the_chains_run(mode):
+    """A step's plans are garbage once committed, freed by reference counting alone: no plan keeps the plans
+    before it (a round drafted ahead once referenced its verify, which references the round before it, and so on:
+    every plan of a batch since it started stayed reachable, each round's Ray objects with it, and freed only by
+    the cyclic collector once the batch emptied)."""
+    sched = make_scheduler(mode, 2, 2)
+    driver = Driver(sched)
+    for _ in range(4):
+        driver.arrive(3, MAX_LEN - 3 - HEADROOM, False)   # long requests: the chains run unbroken
+    planned = []
+    schedule = sched.schedule
+
+    def recording(committed):
+        plan = schedule(committed)
+        planned.extend(weakref.ref(p) for v in plan.verifies for p in (v, v.ahead, v.fresh, v.next_round)
+                       if p is not None)
+        return plan
+    sched.schedule = recording
+    gc.disable()   # what outlives its step without the collector
+    try:
+        for _ in range(40):
+            driver.complete(lambda num_drafts: [7])   # one token per verify: many steps
+        live = sum(ref() is not None for ref in planned)
+    finally:
+        gc.enable()
+    assert len(planned) > 60 and live <= 8, (len(planned), live)
 
 
 # ---- purity ----------------------------------------------------------------------------------------------

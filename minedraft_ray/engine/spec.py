@@ -133,8 +133,9 @@ class VerifyResult:
         if self.logprobs is None:
             return tokens, None
         token_lp, top_ids, top_lp = (t.tolist() for t in self.logprobs)
+        # the top (id, logprob) pairs as lists: the runtime's messages carry lists as they are (runtime/workers.py)
         logprobs = [[{"token_id": tokens[b][i], "logprob": token_lp[b][i],
-                      "top": list(zip(top_ids[b][i], top_lp[b][i]))} for i in range(n)]
+                      "top": [list(pair) for pair in zip(top_ids[b][i], top_lp[b][i])]} for i in range(n)]
                     for b, n in enumerate(emitted)]
         return tokens, logprobs
 

@@ -23,11 +23,11 @@ START_TIMEOUT_S = 900.0
 
 
 async def wait_for(ref, what: str, timeout_s: float):
-    """A Ray result, or TimeoutError naming what took too long."""
-    async def get():
-        return await ref
+    """A Ray result, or TimeoutError naming what took too long. The ref's future is awaited as it is: a coroutine
+    would make asyncio.wait_for wrap it in a task of its own, and the manager awaits a few results every step."""
+    future = asyncio.wrap_future(ref.future()) if isinstance(ref, ray.ObjectRef) else ref
     try:
-        return await asyncio.wait_for(get(), timeout_s)
+        return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
         raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
 

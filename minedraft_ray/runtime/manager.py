@@ -42,7 +42,8 @@ from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import DraftRound, KVEdits, PrefillRow, SamplingRow, SlotResume, VerifierResult, WorkerSet
+from .workers import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
+                      VerifyTask, WorkerSet)
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -69,8 +70,7 @@ class InFlight:
     tokens_to: object = None         # collective channel: the key its tokens go to the next draft round under
     drafts: list = field(default_factory=list)          # the rounds it names (refs or channel keys)
     draft_timings: list = field(default_factory=list)   # their device-time results
-    tables: KVEdits | None = None    # its block-table changes (sent again if it is resubmitted)
-    chunks: list | None = None       # a fused verify's prompt chunks (PrefillRow), sent again with it
+    message: VerifyTask | SpecStep | PrefillTask | None = None   # what was sent (again, if it is resubmitted)
 
 
 def workers_on_gpu(config: EngineConfig) -> bool:
@@ -470,9 +470,9 @@ class BatchManager:
     async def _get(self, ref, what: str, timeout_s: float | None = None):
         return await wait_for(ref, what, timeout_s or self.config.step_timeout_s)
 
-    async def _verifier_result(self, ref, what: str):
+    async def _verifier_result(self, ref, what: str) -> VerifierResult:
         try:
-            return await self._get(ref, what)
+            return VerifierResult.from_wire(await self._get(ref, what))
         except Exception as e:
             raise EngineDeadError(f"the verifier failed during {what}: {e}") from e
 
@@ -543,11 +543,9 @@ class BatchManager:
         if verify.draft_generation == self.sched.drafter_generation:   # not a round of a drafter since replaced
             self._drafter_down(error)
         # under its own number: a task whose argument failed never ran, so its turn is still open
-        task.ref = self.channel.without_drafts(
-            self.verifier, task.drafts, task.ref,
-            lambda: self.verifier.verify.remote(verify.seq, [s.slot for s in verify.rows], None,
-                                                self._num_logprobs(self._step_requests(verify)), None,
-                                                **self._riders(task.tables, task.chunks)))
+        without = dataclasses.replace(task.message, draft_index=None, rounds=None, tokens_to=None)
+        task.ref = self.channel.without_drafts(self.verifier, task.drafts, task.ref,
+                                               lambda: self.verifier.verify.remote(without.to_wire()))
         if verify.prefill is not None:   # what later rounds take its chunks' first tokens from
             verify.prefill.handle = task.ref
         self.sched.verify_failed_drafts(verify)
@@ -643,17 +641,6 @@ class BatchManager:
         return KVEdits(draft=draft) if draft is not None else None
 
     @staticmethod
-    def _riders(tables: KVEdits | None, chunks: list[PrefillRow] | None) -> dict:
-        """A verifier call's optional keyword arguments, those with a value only: Ray binds and serializes every
-        argument it is given, every step."""
-        riders = {}
-        if tables is not None:
-            riders["tables"] = tables
-        if chunks is not None:
-            riders["chunks"] = chunks
-        return riders
-
-    @staticmethod
     def _prefill_row(c) -> PrefillRow:
         r = c.state.request
         if not c.last:
@@ -664,11 +651,10 @@ class BatchManager:
         return PrefillRow(c.state.slot, c.start, c.tokens, SamplingRow.of(r), resume)
 
     def _submit_prefill(self, prefill: PrefillPlan) -> None:
-        rows = self._submit_chunks(prefill)
-        tables = self._verifier_tables()
-        prefill.handle = self.verifier.prefill.remote(prefill.seq, rows, self._num_logprobs(prefill.requests),
-                                                      tables)
-        self.inflight.append(InFlight(prefill, "prefill", prefill.handle, tables=tables))
+        message = PrefillTask(prefill.seq, self._submit_chunks(prefill), self._num_logprobs(prefill.requests),
+                              self._verifier_tables())
+        prefill.handle = self.verifier.prefill.remote(message.to_wire())
+        self.inflight.append(InFlight(prefill, "prefill", prefill.handle, message=message))
 
     def _submit_chunks(self, prefill: PrefillPlan) -> list[PrefillRow]:
         """A prefill's rows for the verifier (its own task, or a verify's it rides in); the drafter's chunks are
@@ -678,7 +664,8 @@ class BatchManager:
         to_drafter = [row for row, c in zip(rows, prefill.chunks) if c.to_drafter]
         if to_drafter and self.drafter is not None:
             # the drafter (its own GPU) takes the chunks while the verifier prefills them
-            ref = self.drafter.prefill.remote(self.actors.next_drafter_seq(), to_drafter, self._drafter_tables())
+            message = PrefillTask(self.actors.next_drafter_seq(), to_drafter, tables=self._drafter_tables())
+            ref = self.drafter.prefill.remote(message.to_wire())
             self.counters["drafter_prefills"] += 1
             asyncio.get_running_loop().create_task(self._watch_drafter_task(ref, "drafter prefill",
                                                                             self.sched.drafter_generation))
@@ -687,16 +674,16 @@ class BatchManager:
     def _submit_verify(self, verify: VerifyPlan) -> None:
         task = InFlight(verify, "verify")
         slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
-        if verify.prefill is not None:   # fused: its chunks ride in the verify's launch
-            task.chunks = self._submit_chunks(verify.prefill)
+        # fused: its chunks ride in the verify's launch
+        chunks = self._submit_chunks(verify.prefill) if verify.prefill is not None else None
+        if chunks is not None:
             self.counters["fused_prefills"] += 1
         if verify.next_round is not None or (verify.regime in ("psd", "seq") and self.sched.drafter_alive):
             task.tokens_to = self.channel.tokens_to(verify.seq, len(verify.rows), self.k)
         if verify.regime == "sd":
             task.kind = "step"
-            task.tables = self._verifier_tables()
-            task.ref = self.verifier.step.remote(verify.seq, slots, self.k, nlp,
-                                                 **self._riders(task.tables, task.chunks))
+            task.message = SpecStep(verify.seq, slots, self.k, nlp, self._verifier_tables(), chunks)
+            task.ref = self.verifier.step.remote(task.message.to_wire())
         else:
             for round_ in (verify.ahead, verify.fresh):
                 if round_ is None:
@@ -705,10 +692,10 @@ class BatchManager:
                     self._submit_round(round_, None)
                 task.drafts.append(round_.handle)
                 task.draft_timings.append(round_.timing)
-            task.tables = self._verifier_tables()
-            task.ref = self.verifier.verify.remote(verify.seq, slots, verify.draft_index if verify.drafted else None,
-                                                   nlp, task.tokens_to, *task.drafts,
-                                                   **self._riders(task.tables, task.chunks))
+            keys, arguments = self.channel.verify_drafts(task.drafts)
+            task.message = VerifyTask(verify.seq, slots, nlp, verify.draft_index if verify.drafted else None,
+                                      keys, task.tokens_to, self._verifier_tables(), chunks)
+            task.ref = self.verifier.verify.remote(task.message.to_wire(), *arguments)
         if verify.prefill is not None:   # rounds take its first tokens from the verify's result
             verify.prefill.handle = task.ref
         self.counters["queued_behind"] += self.sched.queued[verify.batch] > 1
@@ -722,7 +709,10 @@ class BatchManager:
         """A draft round to the drafter. Its rows' tokens past their committed ones come from tasks still in
         flight: a prefill's first token, and (drafted ahead) the tokens of the verify `after`, which Ray hands
         over when they exist (or the link brings)."""
-        sources, source_of = ([after.tokens_to or after.ref] if after is not None else []), {}
+        # source 0 is the verify `after`: its result, or under a collective channel its tokens over the link
+        over_link = after.tokens_to if after is not None else None
+        sources, source_of = ([after.ref] if after is not None and over_link is None else []), {}
+        first_argument = 1 if over_link is not None else 0   # the source number of sources[0]
         requests = [spec.state.request for spec in round_.rows]
         slots, valid, tails, takes_of, all_but_two = [], [], [], [], []
         for row, spec in zip(draft_rows(requests), round_.rows):
@@ -730,7 +720,7 @@ class BatchManager:
             if spec.from_prefill is not None:
                 source = source_of.get(id(spec.from_prefill))
                 if source is None:
-                    source = source_of[id(spec.from_prefill)] = len(sources)
+                    source = source_of[id(spec.from_prefill)] = first_argument + len(sources)
                     sources.append(spec.from_prefill.handle)
                 takes.append((source, spec.state.prefill_row))
             if spec.verify_row >= 0:
@@ -742,7 +732,7 @@ class BatchManager:
             all_but_two.append(spec.all_but_two)
         message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two,
                              [r.seed for r in requests], [len(r.output_ids) for r in requests],
-                             self._drafter_tables())
+                             self._drafter_tables(), over_link)
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:

@@ -214,11 +214,13 @@ class DraftRow:
 
 @dataclass(eq=False)
 class DraftPlan:
-    """A draft round: its rows, for one batch's verify (`for_verify`, drafted from committed tokens now) or
-    drafted ahead behind `after` (from that verify's tokens, for the batch's next verify)."""
+    """A draft round: its rows, for one batch's verify (drafted from committed tokens now) or drafted ahead behind
+    the verify numbered `after_seq` (from that verify's tokens, for the batch's next verify). A number, not the
+    plan: that verify takes the round before it (`VerifyPlan.ahead`), so a reference would chain every plan of the
+    batch since it started, each round's Ray objects with it."""
     batch: int
     rows: list[DraftRow]
-    after: "VerifyPlan | None" = None
+    after_seq: int | None = None
     generation: int = 0               # the drafter it goes to (restarts count up)
     handle: object = None             # the manager's reference to the drafts (or the channel's key)
     timing: object = None             # the manager's reference to the round's device time
@@ -946,7 +948,7 @@ class Scheduler:
             rows.append(DraftRow(s, s.prefill if s.takes_first_token else None, vrow, all_but_two))
         if not rows:
             return None
-        return DraftPlan(b, rows, after=verify, generation=self.drafter_generation, built=built)
+        return DraftPlan(b, rows, after_seq=verify.seq, generation=self.drafter_generation, built=built)
 
     # ---- results -------------------------------------------------------------------------------
     def commit_prefill(self, prefill: PrefillPlan) -> None:

@@ -52,9 +52,13 @@ class DraftChannel:
         """The drafter of the current generation died or is being replaced: nothing of it will come."""
 
     def submit(self, drafter, verifier, round_: DraftRound, sources: list):
-        """A draft round (sources: what its rows take tokens from) -> (what the verify names as its drafts,
-        device-ms ref for the manager)."""
+        """A draft round (sources: the results its rows take tokens from, after those over the link) -> (what the
+        verify names as its drafts, device-ms ref for the manager)."""
         raise NotImplementedError
+
+    def verify_drafts(self, drafts: list) -> tuple[list[LinkRound] | None, list]:
+        """What a verify names as its drafts (`submit`'s) -> (the keys its message carries, its arguments)."""
+        return None, drafts
 
     def discard(self, verifier, drafts) -> None:
         """A round no verify will name (its batch moved on)."""
@@ -76,7 +80,7 @@ class ObjectStoreChannel(DraftChannel):
     name = "object_store"
 
     def submit(self, drafter, verifier, round_, sources):
-        return drafter.draft.options(num_returns=2).remote(round_, *sources)
+        return drafter.draft.options(num_returns=2).remote(round_.to_wire(), *sources)
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         # a task whose argument failed never ran: submit it again (under its own number, its turn is still open)
@@ -98,10 +102,13 @@ class CollectiveChannel(DraftChannel):
     def submit(self, drafter, verifier, round_, sources):
         key = LinkRound(self._next_key, round_.num_rows, round_.k, self.generation)
         self._next_key += 1
-        return key, drafter.draft_over.remote(key, round_, *sources)
+        return key, drafter.draft_over.remote(key.to_wire(), round_.to_wire(), *sources)
+
+    def verify_drafts(self, drafts: list) -> tuple[list[LinkRound] | None, list]:
+        return drafts, []   # the verifier takes them from the link
 
     def discard(self, verifier, drafts) -> None:
-        verifier.drain_drafts.remote(drafts)
+        verifier.drain_drafts.remote(drafts.to_wire())
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         # the verify waits on the link, which fails at once when the drafter dies or is replaced (a round that
@@ -112,7 +119,7 @@ class CollectiveChannel(DraftChannel):
         return LinkTokens(seq, rows, k + 1, self.generation)
 
     def drop_tokens(self, drafter, tokens) -> None:
-        drafter.drain_tokens.remote(tokens)
+        drafter.drain_tokens.remote(tokens.to_wire())
 
 
 class RayCollectiveChannel(CollectiveChannel):

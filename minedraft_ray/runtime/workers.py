@@ -110,6 +110,22 @@ class LaunchOrder:
                 self._cond.notify_all()
 
 
+# ---- messages --------------------------------------------------------------------------------------------------
+# Every worker task takes one message (besides the ObjectRefs whose values Ray hands over) and returns one result.
+# Each crosses Ray in its wire form, `to_wire()`: lists of ints, floats, bools, strings and None only, which Ray
+# serializes with msgpack. A dataclass or a tuple takes Ray's cloudpickle fallback instead, several times slower,
+# and each step sends a few messages. The receiving side decodes with `from_wire` first thing, so the manager and
+# the workers both work with the dataclasses (tests/test_messages.py: every message round-trips, msgpack only).
+
+
+def _wire(message) -> list | None:
+    return None if message is None else message.to_wire()
+
+
+def _wire_list(messages: list | None) -> list | None:
+    return None if messages is None else [m.to_wire() for m in messages]
+
+
 @dataclass(frozen=True)
 class LinkRound:
     """A verify's drafts under the collective channel: ids [rows, k] int64 (then probs [rows, k, W] float32,
@@ -120,6 +136,13 @@ class LinkRound:
     k: int
     generation: int
 
+    def to_wire(self) -> list:
+        return [self.key, self.rows, self.k, self.generation]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "LinkRound":
+        return cls(*wire)
+
 
 @dataclass(frozen=True)
 class LinkTokens:
@@ -129,6 +152,13 @@ class LinkTokens:
     rows: int
     width: int
     generation: int
+
+    def to_wire(self) -> list:
+        return [self.seq, self.rows, self.width, self.generation]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "LinkTokens":
+        return cls(*wire)
 
 
 @dataclass(frozen=True)
@@ -144,6 +174,13 @@ class SamplingRow:
         p = request.params
         return cls(p.temperature, p.top_p, p.top_k, request.seed)
 
+    def to_wire(self) -> list:
+        return [self.temperature, self.top_p, self.top_k, self.seed]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "SamplingRow":
+        return cls(*wire)
+
 
 GREEDY_ROW = SamplingRow(0.0, 1.0, 0, 0)   # for rows whose sample is not used (a chunk before a prompt's end)
 
@@ -155,6 +192,13 @@ class SlotResume:
     prev_token: int
     last_token: int
     position: int
+
+    def to_wire(self) -> list:
+        return [self.prev_token, self.last_token, self.position]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "SlotResume":
+        return cls(*wire)
 
 
 @dataclass(frozen=True)
@@ -174,6 +218,23 @@ class PrefillRow:
         """It ends a new request's prompt: the request's first token is sampled here."""
         return self.sampling is not None and self.resume is None
 
+    def to_wire(self) -> list:
+        return [self.slot, self.start, self.tokens, _wire(self.sampling), _wire(self.resume)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "PrefillRow":
+        slot, start, tokens, sampling, resume = wire
+        return cls(slot, start, tokens, None if sampling is None else SamplingRow.from_wire(sampling),
+                   None if resume is None else SlotResume.from_wire(resume))
+
+
+def _edits_wire(edits: TableEdits | None) -> list | None:
+    return None if edits is None else [edits.rows, edits.cols, edits.ids]
+
+
+def _edits_of(wire: list | None) -> TableEdits | None:
+    return None if wire is None else TableEdits(*wire)
+
 
 @dataclass(frozen=True)
 class KVEdits:
@@ -182,6 +243,21 @@ class KVEdits:
     target: TableEdits | None = None
     draft: TableEdits | None = None
 
+    def to_wire(self) -> list:
+        return [_edits_wire(self.target), _edits_wire(self.draft)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "KVEdits":
+        return cls(_edits_of(wire[0]), _edits_of(wire[1]))
+
+
+def _kv_edits_of(wire: list | None) -> KVEdits | None:
+    return None if wire is None else KVEdits.from_wire(wire)
+
+
+def _rows_of(wire: list | None) -> list[PrefillRow] | None:
+    return None if wire is None else [PrefillRow.from_wire(row) for row in wire]
+
 
 def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
     params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k) for r in rows]
@@ -189,16 +265,86 @@ def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
 
 
 @dataclass(frozen=True)
+class PrefillTask:
+    """A prefill task `seq`: prompt chunks into their slots, on the verifier (a first token sampled where a chunk
+    ends its prompt, logprobs of num_logprobs) or on the drafter (KV only), with the worker's block-table
+    changes since its previous task."""
+    seq: int
+    rows: list[PrefillRow]
+    num_logprobs: int = 0
+    tables: KVEdits | None = None
+
+    def to_wire(self) -> list:
+        return [self.seq, _wire_list(self.rows), self.num_logprobs, _wire(self.tables)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "PrefillTask":
+        seq, rows, num_logprobs, tables = wire
+        return cls(seq, _rows_of(rows), num_logprobs, _kv_edits_of(tables))
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    """A verify, the verifier's task `seq`, of `slots` (their last tokens and positions are in its slot state).
+    draft_index[b]: row b's row in its draft rounds' rows, concatenated in order, or -1 for a row without drafts;
+    None: no row has any. The rounds are the task's arguments (the object store: Ray hands their drafts over) or,
+    under a collective channel, `rounds`: the keys their drafts come over the link under. tokens_to: where the
+    collective channel sends its tokens for the round drafted behind it. chunks: prompt chunks of other slots
+    riding in its launch (fused), whose rows follow the verify's in the result."""
+    seq: int
+    slots: list[int]
+    num_logprobs: int = 0
+    draft_index: list[int] | None = None
+    rounds: list[LinkRound] | None = None
+    tokens_to: LinkTokens | None = None
+    tables: KVEdits | None = None
+    chunks: list[PrefillRow] | None = None
+
+    def to_wire(self) -> list:
+        return [self.seq, self.slots, self.num_logprobs, self.draft_index, _wire_list(self.rounds),
+                _wire(self.tokens_to), _wire(self.tables), _wire_list(self.chunks)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "VerifyTask":
+        seq, slots, num_logprobs, draft_index, rounds, tokens_to, tables, chunks = wire
+        return cls(seq, slots, num_logprobs, draft_index,
+                   None if rounds is None else [LinkRound.from_wire(r) for r in rounds],
+                   None if tokens_to is None else LinkTokens.from_wire(tokens_to), _kv_edits_of(tables),
+                   _rows_of(chunks))
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """An `sd` step, the spec worker's task `seq`: k drafts for every slot from its slot state, then their verify
+    (chunks: prompt chunks riding in the target's launch, as in a VerifyTask)."""
+    seq: int
+    slots: list[int]
+    k: int
+    num_logprobs: int = 0
+    tables: KVEdits | None = None
+    chunks: list[PrefillRow] | None = None
+
+    def to_wire(self) -> list:
+        return [self.seq, self.slots, self.k, self.num_logprobs, _wire(self.tables), _wire_list(self.chunks)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "SpecStep":
+        seq, slots, k, num_logprobs, tables, chunks = wire
+        return cls(seq, slots, k, num_logprobs, _kv_edits_of(tables), _rows_of(chunks))
+
+
+@dataclass(frozen=True)
 class DraftRound:
-    """A drafter task: k drafts for each of its rows. It travels column by column (one list per field, entry i
-    for row i), since Ray serializes a few flat lists much faster than a list of row objects, and a round is
-    sent every step.
+    """A drafter task: k drafts for each of its rows. It is laid out column by column (one list per field, entry
+    i for row i): its wire form is then a few flat lists, and a round is sent every step.
 
     Row i's sequence past the valid[i] tokens its drafter slot slots[i] holds is tails[i] (its committed tokens)
-    followed by the tokens it takes: takes[i] lists (source, row) pairs naming a row of a verifier result passed
-    with the round (a prefill's first token, a verify's emitted tokens), in order. With all_but_two[i] the slot
-    already holds all of that sequence but its last two tokens, so only those are fed. positions[i]: the row's
-    output position of its first draft before the taken tokens (the noise key of probabilistic drafting)."""
+    followed by the tokens it takes: takes[i] lists (source, row) pairs naming a row of a verifier result the
+    round takes (a prefill's first token, a verify's emitted tokens), in order. Source 0 comes over the link under
+    `tokens_over_link` when that is set (a collective channel); the others, in order, are the task's arguments,
+    which Ray passes in once they exist. With all_but_two[i] the slot already holds all of that sequence but its
+    last two tokens, so only those are fed. positions[i]: the row's output position of its first draft before
+    the taken tokens (the noise key of probabilistic drafting)."""
     seq: int
     k: int
     slots: list[int]
@@ -209,10 +355,24 @@ class DraftRound:
     seeds: list[int]
     positions: list[int]
     tables: KVEdits | None = None      # the drafter's block-table changes since its previous task
+    tokens_over_link: LinkTokens | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.slots)
+
+    def to_wire(self) -> list:
+        # a row's (source, row) pairs flattened: msgpack takes lists, not tuples
+        takes = [[x for pair in row for x in pair] for row in self.takes]
+        return [self.seq, self.k, self.slots, self.valid, self.tails, takes, self.all_but_two, self.seeds,
+                self.positions, _wire(self.tables), _wire(self.tokens_over_link)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "DraftRound":
+        seq, k, slots, valid, tails, takes, all_but_two, seeds, positions, tables, over_link = wire
+        takes = [list(zip(row[::2], row[1::2])) for row in takes]
+        return cls(seq, k, slots, valid, tails, takes, all_but_two, seeds, positions, _kv_edits_of(tables),
+                   None if over_link is None else LinkTokens.from_wire(over_link))
 
 
 @dataclass(frozen=True)
@@ -225,6 +385,13 @@ class VerifierResult:
     t_launch: float = 0.0     # wall time the launch began
     t_end: float = 0.0        # wall time at the end
     draft_ms: float = 0.0     # sd: the draft half of the step
+
+    def to_wire(self) -> list:
+        return [self.tokens, self.logprobs, self.device_ms, self.t_launch, self.t_end, self.draft_ms]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "VerifierResult":
+        return cls(*wire)
 
 
 def shared_vocab(config: EngineConfig) -> int | None:
@@ -459,8 +626,10 @@ class VerifierWorker(_Worker):
             old.close()
         return prefix
 
-    def drain_drafts(self, round_: LinkRound) -> None:
-        """The collective channel: a round no verify will name; take its messages when they come."""
+    def drain_drafts(self, round_: list) -> None:
+        """The collective channel: a round no verify will name (a LinkRound's wire form); take its messages when
+        they come."""
+        round_ = LinkRound.from_wire(round_)
         link = self._link_of(round_.generation)
         try:
             if link is not None:
@@ -522,17 +691,19 @@ class VerifierWorker(_Worker):
         tokens, logprobs = staged.to_host()
         return VerifierResult(tokens, logprobs, ms, t_launch, time.time())
 
-    def prefill(self, seq: int, rows: list[PrefillRow], num_logprobs: int,
-                tables: KVEdits | None = None) -> VerifierResult:
-        """Prompt chunks into their slots; a request whose chunk ends its prompt starts: first token, and the
-        slot state later verify steps read (a resumed request: the state from its tokens). The result has a row
-        per chunk (only the new requests' ends' tokens mean anything)."""
+    def prefill(self, task: list) -> list:
+        """A PrefillTask (its wire form; -> a VerifierResult's): prompt chunks into their slots; a request whose
+        chunk ends its prompt starts: first token, and the slot state later verify steps read (a resumed request:
+        the state from its tokens). The result has a row per chunk (only the new requests' ends' tokens mean
+        anything)."""
+        task = PrefillTask.from_wire(task)
+
         def launch():
-            self._map_blocks(tables)
+            self._map_blocks(task.tables)
             with StepTimer(self.device) as timer:
-                staged = self._prefill(rows, num_logprobs).staged()
+                staged = self._prefill(task.rows, task.num_logprobs).staged()
             return staged, timer
-        return self._run(seq, launch)
+        return self._run(task.seq, launch).to_wire()
 
     def _prefill(self, rows: list[PrefillRow], num_logprobs: int) -> VerifyResult:
         self._prefill_beside(rows)
@@ -562,28 +733,25 @@ class VerifierWorker(_Worker):
         if resumed:
             self.state.resume(resumed, sampling_batch([r.sampling for r in resumed], self.device))
 
-    def verify(self, seq: int, slots: list[int], draft_index: list[int] | None, num_logprobs: int,
-               tokens_to: LinkTokens | None = None, *drafts, tables: KVEdits | None = None,
-               chunks: list[PrefillRow] | None = None) -> VerifierResult:
-        """One verify step for slots (their last tokens and positions are in the slot state).
+    def verify(self, task: list, *drafts) -> list:
+        """A VerifyTask (its wire form; -> a VerifierResult's): one verify step for its slots.
 
-        drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None} from
-        the draft channel (or the key it comes under); draft_index[b] is row b's row in their concatenation,
-        or -1 for a row without drafts (drafter down).
-        tokens_to: where the collective channel sends this verify's tokens for the draft round behind it.
-        tables: its block-table changes.
-        chunks: prompt chunks (of other slots) that ride in the verify's launch, as a prefill task's rows; the
-        result's rows are the verify's, then theirs (as `prefill` returns them)."""
+        drafts: the draft rounds it takes, in order, each {"ids": [N, k], "probs": [N, k, W] packed | None},
+        which Ray hands over from the drafter (under a collective channel the task names them: `rounds`). The
+        result's rows are the verify's, then its chunks' (as `prefill` returns them)."""
+        task = VerifyTask.from_wire(task)
+        slots = task.slots
+
         def launch():
-            self._map_blocks(tables)
-            round_drafts = self._take_drafts(drafts)
+            self._map_blocks(task.tables)
+            round_drafts = self._take_drafts(task.rounds if task.rounds is not None else drafts)
             with StepTimer(self.device) as timer:
                 slot_t = to_device(slots, self.device)
-                draft_ids, num_drafts, draft_probs = self._gather_drafts(round_drafts, draft_index, len(slots))
-                staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, num_logprobs,
-                                      chunks).staged()
+                draft_ids, num_drafts, draft_probs = self._gather_drafts(round_drafts, task.draft_index, len(slots))
+                staged = self._verify(slots, slot_t, draft_ids, num_drafts, draft_probs, task.num_logprobs,
+                                      task.chunks).staged()
             return staged, timer
-        return self._run(seq, launch, tokens_to)
+        return self._run(task.seq, launch, task.tokens_to).to_wire()
 
     def _verify(self, slots: list[int], slot_t: torch.Tensor, draft_ids, num_drafts, draft_probs,
                 num_logprobs: int, chunks: list[PrefillRow] | None = None) -> VerifyResult:
@@ -641,32 +809,36 @@ class DrafterWorker(_Worker):
         if tables is not None and tables.draft is not None:
             self.drafter.runner.map_blocks(tables.draft)
 
-    def prefill(self, seq: int, rows: list[PrefillRow], tables: KVEdits | None = None) -> float:
-        """Put new requests' prompt chunks in their slots (once a prompt is all there, its first draft feeds
-        only the last two tokens) -> device ms. tables: the drafter's block-table changes."""
-        with self._turn(seq):
-            self._map_blocks(tables)
+    def prefill(self, task: list) -> float:
+        """A PrefillTask (its wire form): new requests' prompt chunks into their slots (once a prompt is all there,
+        its first draft feeds only the last two tokens) -> device ms."""
+        task = PrefillTask.from_wire(task)
+        rows = task.rows
+        with self._turn(task.seq):
+            self._map_blocks(task.tables)
             with StepTimer(self.device) as timer:
                 self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
         return timer.ms
 
-    def draft(self, round_: DraftRound, *sources):
-        """`_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed (draft_sample_packed) | None},
-        device ms)."""
-        ids, probs, ms = self._draft(round_, *sources)
+    def draft(self, round_: list, *sources):
+        """A DraftRound (its wire form): `_draft` -> ({"ids": [B, k] lists, "probs": numpy [B, k, W] packed
+        (draft_sample_packed) | None}, device ms)."""
+        ids, probs, ms = self._draft(DraftRound.from_wire(round_), *sources)
         # host lists and numpy, not torch tensors: Ray pickles a torch tensor through torch's own reducer, which
         # made the hop from the drafter to the verify slower (docs/transport.md)
         return {"ids": ids.tolist(), "probs": probs.numpy() if probs is not None else None}, ms
 
     def _draft(self, round_: DraftRound, *sources, on_host: bool = True):
-        """Drafter task round_.seq. sources: results of verifier tasks (prefill, verify) still in flight when the
-        round was submitted, which Ray passes in once they exist, or (the collective channel) the LinkTokens a
-        verify sends them under; rows take their tokens from these (DraftRound.takes).
+        """Drafter task round_.seq. sources: results of verifier tasks (prefill, verify: VerifierResult wire forms)
+        still in flight when the round was submitted, which Ray passes in once they exist, after the tokens that
+        come over the link (round_.tokens_over_link); rows take their tokens from these (DraftRound.takes).
         -> (ids [B, k] int64, probs [B, k, W] float32 packed (draft_sample_packed) | None, both on the host,
         or left on the device with `on_host` False; device ms)."""
         draft_rows, positions, error = [], list(round_.positions), None
         try:   # outside the turn: the previous round's device work runs meanwhile
-            tokens = [self._tokens_over_link(s) if isinstance(s, LinkTokens) else s.tokens for s in sources]
+            tokens = [VerifierResult.from_wire(s).tokens for s in sources]
+            if round_.tokens_over_link is not None:   # source 0
+                tokens.insert(0, self._tokens_over_link(round_.tokens_over_link))
             for i, (slot, valid, tail, takes, all_but_two) in enumerate(zip(
                     round_.slots, round_.valid, round_.tails, round_.takes, round_.all_but_two)):
                 catchup = list(tail)
@@ -705,8 +877,10 @@ class DrafterWorker(_Worker):
         if old is not None:
             old.close()
 
-    def drain_tokens(self, source: LinkTokens) -> None:
-        """The collective channel: tokens sent for a round that was not drafted after all; take and drop them."""
+    def drain_tokens(self, source: list) -> None:
+        """The collective channel: tokens sent for a round that was not drafted after all (a LinkTokens' wire
+        form); take and drop them."""
+        source = LinkTokens.from_wire(source)
         link = self._link_of(source.generation)
         try:
             if link is not None:
@@ -714,11 +888,13 @@ class DrafterWorker(_Worker):
         except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
             pass
 
-    def draft_over(self, key: LinkRound, round_: DraftRound, *sources) -> float:
+    def draft_over(self, key: list, round_: list, *sources) -> float:
         """The collective channel: draft (as `_draft`) and send the round over the link under `key` -> device
-        ms. Should the round fail here, the manager replaces this drafter, and its link's end fails the verify
-        waiting for the round: that verify runs without drafts."""
-        ids, probs, ms = self._draft(round_, *sources, on_host=not self.link.on_device)
+        ms (both in their wire forms: a LinkRound, a DraftRound). Should the round fail here, the manager replaces
+        this drafter, and its link's end fails the verify waiting for the round: that verify runs without
+        drafts."""
+        key = LinkRound.from_wire(key)
+        ids, probs, ms = self._draft(DraftRound.from_wire(round_), *sources, on_host=not self.link.on_device)
         self.link.send(ids, 2 * key.key)
         if probs is not None:
             self.link.send(probs.contiguous(), 2 * key.key + 1)
@@ -751,14 +927,15 @@ class SpecWorker(VerifierWorker):
         # the drafter's own launch: it is small beside the target
         self.drafter.prefill([r.slot for r in rows], [r.tokens for r in rows], [r.start for r in rows])
 
-    def step(self, seq: int, slots: list[int], k: int, num_logprobs: int,
-             tables: KVEdits | None = None, chunks: list[PrefillRow] | None = None) -> VerifierResult:
-        """Draft k tokens for every slot from the slot state, then verify them (chunks: prompt chunks riding in
-        the target's launch, as in `verify`)."""
+    def step(self, task: list) -> list:
+        """A SpecStep (its wire form; -> a VerifierResult's): draft k tokens for every slot from the slot state,
+        then verify them."""
+        task = SpecStep.from_wire(task)
+        slots, k, num_logprobs, chunks = task.slots, task.k, task.num_logprobs, task.chunks
         state, timers = self.state, {}
 
         def launch():
-            self._map_blocks(tables)
+            self._map_blocks(task.tables)
             with StepTimer(self.device) as timers["draft"]:
                 slot_t = to_device(slots, self.device)
                 last2 = torch.stack([state.prev_token[slot_t], state.last_token[slot_t]], 1)     # [B, 2]
@@ -768,8 +945,8 @@ class SpecWorker(VerifierWorker):
                 num_drafts = torch.full((len(slots),), ids.shape[1], dtype=torch.int64, device=self.device)
                 staged = self._verify(slots, slot_t, ids, num_drafts, probs, num_logprobs, chunks).staged()
             return staged, timer
-        result = self._run(seq, launch)
-        return dataclasses.replace(result, draft_ms=timers["draft"].ms)
+        result = self._run(task.seq, launch)
+        return dataclasses.replace(result, draft_ms=timers["draft"].ms).to_wire()
 
 
 class TargetRank(_Worker):
