@@ -1,104 +1,155 @@
 """The Ray runtime's fault drills (fake GPUs, the session's cluster): a drafter killed, failing or hanging
 mid-run, or dead before prompts arrive, fails no request and leaves output equal to ar's; a dead verifier
-fails requests clearly."""
+fails requests clearly.
+
+A drill leaves its engine serving with a new drafter, so drills on the same configuration share one engine (an
+engine's start is most of a drill): each injects its fault into the running drafter (set_drafter_faults) and reads
+the engine's counters and history as changes."""
 import time
 
 import pytest
 import ray
 
 from minedraft_ray.runtime import LLM
-from minedraft_ray.testing.workers import faulty_drafter
-from runtime_common import LENGTHS, PROMPTS, greedy
+from minedraft_ray.testing.workers import faulty_drafter, set_drafter_faults
+from runtime_common import LENGTHS, PROMPTS, greedy, settled
+
+# the configurations two drills share (k=2, max_batch=3, psd): the collective channel with the unthreaded drafter,
+# and the object store with the short step timeout the hang drill waits out
+SHARED = {"collective": {"transport": "collective", "verifier_overlap": False, "step_timeout_s": 60},
+          "object_store": {"transport": "object_store", "step_timeout_s": 5}}
+
+
+@pytest.fixture(scope="module")
+def shared_engines(ray_cluster, tiny_llama, tiny_llama_draft):
+    started = {}
+
+    def get(name: str) -> LLM:
+        """The shared engine, started on first use; idle, its drafter up (a drill's restart done)."""
+        if name not in started:
+            started[name] = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1,
+                                _workers=faulty_drafter(), **SHARED[name])
+        llm = started[name]
+        deadline = time.time() + 60
+        while not llm.info()["drafter_alive"] and time.time() < deadline:
+            time.sleep(0.1)
+        info = settled(llm)
+        assert info["drafter_alive"] and info["running"] == info["queued"] == info["slots_in_use"] == 0, info
+        return llm
+
+    yield get
+    for llm in started.values():
+        llm.shutdown()
+
+
+def changes(before: dict, llm) -> dict:
+    """The engine's counters since `before` (its info at the drill's start)."""
+    info = llm.info()
+    return {name: info[name] - before[name] for name in ("drafter_failures", "draft_rounds_failed",
+                                                          "drafter_restarts", "drafter_prefills")}
 
 
 # each channel once in psd, the unthreaded drafter once, sd_split once (suite time)
 @pytest.mark.parametrize("mode, overlap, transport", [("psd", True, "object_store"), ("psd", False, "collective"),
                                                      ("sd_split", True, "collective"),
                                                      ("psd", True, "ray_collective")])
-def test_drafter_killed_mid_run(ray_cluster, tiny_llama, tiny_llama_draft, reference, reference_10, mode, overlap,
-                                transport):
+def test_drafter_killed_mid_run(ray_cluster, shared_engines, tiny_llama, tiny_llama_draft, reference, reference_10,
+                                mode, overlap, transport):
     # with verifier_overlap, later tasks wait for the turn of the verify whose drafts failed: it is resubmitted
     # under its own number; with the collective channel that verify is already waiting for its drafts on the
     # link, which fails when the drafter dies, and it runs without them
     # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
     # verify submitted already
-    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
-              transport=transport, _workers=faulty_drafter(delay_s=0.2))
+    shared = (mode, overlap, transport) == ("psd", False, "collective")
+    llm = shared_engines("collective") if shared else LLM(
+        tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
+        transport=transport, _workers=faulty_drafter())
     try:
+        set_drafter_faults(llm, delay_s=0.2)
+        before, steps_before = llm.info(), len(llm.history())
         params = [greedy(n) for n in LENGTHS]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS], params)
         deadline = time.time() + 60
-        while llm.info()["steps"] < 3 and time.time() < deadline:
+        while llm.info()["steps"] < before["steps"] + 3 and time.time() < deadline:
             time.sleep(0.05)
         assert ray.get(llm.manager.kill_drafter.remote())
         outs = ray.get(ref, timeout=120)
         assert [o["token_ids"] for o in outs] == [r.token_ids for r in reference]
-        info = llm.info()
-        assert info["drafter_failures"] >= 1
-        assert info["draft_rounds_failed"] >= 1   # a verify whose round died with the drafter ran without drafts
+        change = changes(before, llm)
+        assert change["drafter_failures"] >= 1
+        assert change["draft_rounds_failed"] >= 1   # a verify whose round died with the drafter ran without drafts
         deadline = time.time() + 60
         while not llm.info()["drafter_alive"] and time.time() < deadline:
             time.sleep(0.2)
-        assert llm.info()["drafter_restarts"] >= 1
-        regimes = [h.regime for h in llm.history()]
+        assert changes(before, llm)["drafter_restarts"] >= 1
+        regimes = [h.regime for h in llm.history()[steps_before:]]
         assert "ar" in regimes          # served target-only while the drafter was down
         outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)   # and speculates again after the restart
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:4]]
         assert sum(o.stats["accepted"] for o in outs) > 0
     finally:
-        llm.shutdown()
+        if not shared:
+            llm.shutdown()
 
 
 # each fault on each channel once (suite time: not every pairing)
 @pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
     ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10), ("hang_at", "ray_collective", 5, 10)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
-        ray_cluster, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
+        ray_cluster, shared_engines, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify
     waiting for the drafts (on the link, or as a task argument). The engine replaces the drafter, on the error at
     once and on the hang after the manager's wait times out (step_timeout_s); that ends the old link, so the
     verify runs without drafts instead of waiting out the link's own timeout, or the hour the round hangs. The
     output is still ar's, and nothing waits longer than about one timeout."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport=transport,
-              step_timeout_s=timeout_s, _workers=faulty_drafter(**{fault: 4}))
+    shared = transport in SHARED
+    if shared:
+        assert SHARED[transport]["step_timeout_s"] == timeout_s
+        llm = shared_engines(transport)
+    else:
+        llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1, transport=transport,
+                  step_timeout_s=timeout_s, _workers=faulty_drafter())
     try:
+        set_drafter_faults(llm, **{fault: 4})
+        before = llm.info()
         t0 = time.time()
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
         elapsed = time.time() - t0
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
-        info = llm.info()
-        assert info["drafter_failures"] >= 1 and info["draft_rounds_failed"] >= 1, info
+        change = changes(before, llm)
+        assert change["drafter_failures"] >= 1 and change["draft_rounds_failed"] >= 1, change
         # error: well before the 60 s timeout; hang: one 5 s timeout (~5.3 s here), not one per waiting call
         assert elapsed < bound_s, elapsed
     finally:
-        llm.shutdown()
+        if not shared:
+            llm.shutdown()
 
 
 @pytest.mark.parametrize("mode", ["psd"])   # sd_split shares psd's drafter path (suite time)
-def test_drafter_dead_before_new_prompts_arrive(ray_cluster, tiny_llama, tiny_llama_draft, reference_10, mode):
+def test_drafter_dead_before_new_prompts_arrive(shared_engines, reference_10, mode):
     """New prompts go to the drafter at admission, before any draft: with the drafter already dead, that
     prefill is what fails (one-token requests never draft, so nothing else would notice). The engine
-    serves ar, restarts the drafter, and the output is still the target's."""
-    llm = LLM(tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1)
-    try:
-        assert ray.get(llm.manager.kill_drafter.remote())
-        outs = llm.generate(PROMPTS[:4], [greedy(1)] * 4)
-        assert [o.token_ids for o in outs] == [r.token_ids[:1] for r in reference_10[:4]]
-        deadline = time.time() + 30
-        while llm.info()["drafter_failures"] == 0 and time.time() < deadline:
-            time.sleep(0.1)
-        info = llm.info()
-        assert info["drafter_prefills"] >= 1 and info["drafter_failures"] == 1, info
-        outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:4]]
-        deadline = time.time() + 60
-        while not llm.info()["drafter_alive"] and time.time() < deadline:
-            time.sleep(0.2)
-        outs = llm.generate(PROMPTS[4:8], [greedy(10)] * 4)   # prompts prefilled on the restarted drafter
-        assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[4:8]]
-        assert sum(o.stats["accepted"] for o in outs) > 0
-    finally:
-        llm.shutdown()
+    serves ar, restarts the drafter, and the output is still the target's. (psd over the object store, as a CPU
+    engine's default channel.)"""
+    llm = shared_engines("object_store")
+    before = llm.info()
+    assert before["mode"] == mode and before["transport"] == "object_store"
+    assert ray.get(llm.manager.kill_drafter.remote())
+    outs = llm.generate(PROMPTS[:4], [greedy(1)] * 4)
+    assert [o.token_ids for o in outs] == [r.token_ids[:1] for r in reference_10[:4]]
+    deadline = time.time() + 30
+    while changes(before, llm)["drafter_failures"] == 0 and time.time() < deadline:
+        time.sleep(0.1)
+    change = changes(before, llm)
+    assert change["drafter_prefills"] >= 1 and change["drafter_failures"] == 1, change
+    outs = llm.generate(PROMPTS[:4], [greedy(10)] * 4)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[:4]]
+    deadline = time.time() + 60
+    while not llm.info()["drafter_alive"] and time.time() < deadline:
+        time.sleep(0.2)
+    outs = llm.generate(PROMPTS[4:8], [greedy(10)] * 4)   # prompts prefilled on the restarted drafter
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference_10[4:8]]
+    assert sum(o.stats["accepted"] for o in outs) > 0
 
 
 @pytest.mark.parametrize("transport", ["collective"])   # the channel whose drafter waits on the verifier's end

@@ -58,10 +58,24 @@ class FaultyDrafterWorker(DrafterWorker):
         super().__init__(config, num_slots)
         self.drafter = _FaultyDrafter(self.drafter, faults)
 
+    def set_faults(self, faults: DrafterFaults) -> None:
+        """New faults, its rounds numbered from 1 again (an idle drafter: between two tests on one engine)."""
+        self.drafter.faults, self.drafter.rounds = faults, 0
+
 
 def faulty_drafter(**faults) -> WorkerSet:
     """LLM(..., _workers=faulty_drafter(error_at=4)): the drafter's rounds fail as DrafterFaults says."""
     return WorkerSet(drafter=FaultyDrafterWorker, drafter_kwargs={"faults": DrafterFaults(**faults)})
+
+
+def set_drafter_faults(llm, **faults) -> None:
+    """The running drafter of an idle LLM started with faulty_drafter() takes these faults, counting its rounds from
+    now; a drafter the engine starts later (a restart) has the faults the LLM was started with."""
+    import ray
+
+    def set_faults(actor):
+        return actor.manager.drafter.set_faults.remote(DrafterFaults(**faults))
+    ray.get(ray.get(llm.manager.__ray_call__.remote(set_faults)))
 
 
 # ---- synthetic acceptance (benchmarks) ---------------------------------------------------------------
