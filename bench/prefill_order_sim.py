@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.common import command_line, fmt, say, write_results
+from bench.common import command_line, fmt, git_sha, say, write_results
 from bench.psd_vs_sd import poisson_arrivals
 from bench.real_traffic import TAIL_IDS, Requests, Trace, Workload, long_arrivals, online_stats
 from minedraft_ray.engine.engine import commit_tokens
@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{fmt(row['ttft_p50_ms'])} P99 {fmt(row['ttft_p99_ms'])} ms")
     out = Path(args.out or ("/tmp/prefill_order_sim_smoke" if args.smoke else "bench/results"))
     command = command_line("bench.prefill_order_sim", argv)
-    rows = [{**r, "command": command, "device": "CPU (the scheduler alone, a step-cost model)"} for r in rows]
+    rows = [{**r, "command": command, "git_sha": git_sha(), "device": "CPU (the scheduler alone, a step-cost model)"}
+            for r in rows]
     notes = [work.describe() + f"; Poisson arrivals at {args.rate} requests/s for {args.seconds:.0f} s, seeds "
              f"600..{599 + args.seeds} (request ids of their own per seed); long_prompts: online_long's added tail "
              "prompts (bench/real_traffic.py)",
