@@ -64,7 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--calls", type=int, default=200, help="calls per repeat")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--note", default="", help="what else ran on the machine")
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
 
     import pickle
 
@@ -175,7 +177,10 @@ def main(argv=None) -> int:
     notes = ["each number: min over repeats of the mean over a batch of calls (a shared 2-core machine)",
              "serialize_us, deserialize_us: the wire form's to_wire, from_wire included",
              "remote_us: `.remote()` until it returns (the task submitted), not its execution",
-             "await_us: thread CPU time of the awaiting thread per result already there"]
+             "await_us: thread CPU time of the awaiting thread per result already there",
+             f"1-minute load average before the run: {load:.2f} (other sessions share the cores)"]
+    if args.note:
+        notes.append(args.note)
     write_results(rows, args.out, NAME, COLUMNS, "Manager <-> worker messages in Ray: typed dataclass vs wire form",
                   command_line("bench.message_cost", argv), device, notes)
     return 0
