@@ -352,8 +352,52 @@ def test_overload_is_429_with_retry_after_and_one_log_line(url, ray_cluster):
     time.sleep(1)
     watched = {**ingress, **{p: text for p, text in logs().items() if p.name.startswith(f"replica_{APP}_")}}
     grown = {p.name: text.count("Traceback") - tracebacks_before.get(p, 0) for p, text in watched.items()}
-    last = next((text[text.rindex("Traceback"):][:1500] for p, text in watched.items() if grown[p.name]), "")
+    # the exception's type and message end the traceback: keep its end
+    last = next((text[text.rindex("Traceback"):][-3000:] for p, text in watched.items() if grown[p.name]), "")
     assert not any(grown.values()), (grown, last)
+
+
+def test_a_client_leaving_mid_stream_ends_its_stream_as_a_disconnect():
+    """Serve's receive() raises the proxy's cancelled call when a client leaves (a race: usually it returns the
+    disconnect); inside a started stream that failed the request with a traceback. The ingress's outermost
+    middleware turns it into the disconnect: the stream ends, its generator's cleanup runs, nothing is raised."""
+    import asyncio
+
+    from ray.exceptions import TaskCancelledError
+    from starlette.responses import StreamingResponse
+
+    from minedraft_ray.serve.compat import ClientGoneAsDisconnect
+
+    cleaned_up, sent = asyncio.Event(), []
+
+    async def events():
+        try:
+            while True:
+                yield "data: x\n\n"
+                await asyncio.sleep(0.01)
+        finally:
+            cleaned_up.set()
+
+    async def app(scope, receive, send):
+        await StreamingResponse(events(), media_type="text/event-stream")(scope, receive, send)
+
+    async def receive():
+        await asyncio.sleep(0.05)   # the client reads a few chunks, then leaves
+        raise TaskCancelledError()
+
+    async def send(message):
+        sent.append(message["type"])
+
+    async def serve(asgi):
+        # ASGI 2.0-2.3, as Serve's replica declares: Starlette then listens for the disconnect while streaming
+        await asyncio.wait_for(asgi({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send), 10)
+
+    asyncio.run(serve(ClientGoneAsDisconnect(app)))
+    assert cleaned_up.is_set() and sent[0] == "http.response.start" and "http.response.body" in sent
+    with pytest.raises(BaseException) as raised:   # without it, the request fails
+        asyncio.run(serve(app))
+    assert raised.group_contains(TaskCancelledError) if isinstance(raised.value, BaseExceptionGroup) else \
+        raised.type is TaskCancelledError
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,8 @@ from ..observability.heap import CollectorWatch
 from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput, StepRecord
 from ..runtime.placement import STRATEGY, make_bundles
 from ..runtime.workers import shared_vocab
-from .compat import ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base, request_id_of
+from .compat import (ClientGoneAsDisconnect, ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base,
+                     request_id_of)
 from .detokenize import OutputText, TokenStrings
 from .loop_lag import LoopLagWatch
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
@@ -164,7 +165,8 @@ class EngineServer:
 # no open /docs, /redoc: /openapi.json is a route of its own, behind the API key
 api = FastAPI(title="minedraft", description="OpenAI-compatible API over MineDraft speculative decoding",
               docs_url=None, redoc_url=None, openapi_url=None)
-api.add_middleware(ConfiguredCORSMiddleware)   # outermost: preflights are answered before anything else
+api.add_middleware(ConfiguredCORSMiddleware)   # preflights are answered before anything else
+api.add_middleware(ClientGoneAsDisconnect)     # outermost: every layer sees a client that left as a disconnect
 
 
 @api.exception_handler(APIError)

@@ -1,4 +1,5 @@
-"""HTTP conveniences that OpenAI and vLLM clients expect: request ids, CORS, and a quiet log of ignored fields.
+"""HTTP conveniences that OpenAI and vLLM clients expect: request ids, CORS, a client that goes away ending its
+request quietly, and a quiet log of ignored fields.
 
 The CORS middleware is a plain ASGI class added to the module-level FastAPI app. Serve pickles that app when the
 ingress class is defined, before any configuration exists, so the middleware reads its origins from this module
@@ -11,6 +12,7 @@ import re
 import threading
 import uuid
 
+from ray.exceptions import TaskCancelledError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -63,6 +65,31 @@ class ConfiguredCORSMiddleware:
                                         allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
             self._origins = origins
         await self._cors(scope, receive, send)
+
+
+class ClientGoneAsDisconnect:
+    """A client that goes away reaches the app as `http.disconnect`, through Serve's proxy too.
+
+    When a client disconnects, Serve's proxy cancels the replica's pending call for the next request message, and
+    Serve's receive() raises that TaskCancelledError instead of returning the disconnect (it returns one only when
+    the proxy has already forgotten the request). Raised inside a streaming response, after its headers, it fails
+    the request with a traceback in the replica's log, although nothing failed. As a disconnect, the response ends
+    as it does for every other client that leaves, and the stream's own cleanup aborts the engine request."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
 
 
 class IgnoredFields:
