@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -163,106 +164,129 @@ def default_model_name(run_env) -> str:
     return EngineConfig().served_model_name
 
 
-def test_minedraft_serve_with_no_engine_flags(run_env, tmp_path):
-    model = default_model_name(run_env)
-    port, dashboard_port = free_port(), free_port()
-    cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--dashboard-port", str(dashboard_port)], run_env,
-                  tmp_path / "serve.log")
-    try:
-        out = cmd.wait_for("Ctrl-C to stop", timeout=240)
-        url = f"http://127.0.0.1:{port}"
-        assert f"{url}/v1" in out and f"http://127.0.0.1:{dashboard_port}" in out
-        check_locked_down(cmd, out, dashboard_port)
-        models = requests.get(url + "/v1/models", timeout=30).json()
-        assert [m["id"] for m in models["data"]] == [model]
-        r = requests.post(url + "/v1/completions", timeout=120,
-                          json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0,
-                                "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        # no max_tokens: up to the engine's context limit (which may be below the config's max_len), from a prompt
-        # that leaves a few tokens of it, so the run is short
-        limit = models["data"][0]["max_model_len"]
-        messages = [{"role": "user", "content": content_of_tokens(limit - 8)}]
-        chat = requests.post(url + "/v1/chat/completions", timeout=120, json={"model": model, "messages": messages})
-        assert chat.status_code == 200, chat.text
-        usage = chat.json()["usage"]
-        assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
-        assert limit - 16 < usage["prompt_tokens"] and usage["prompt_tokens"] + usage["completion_tokens"] <= limit
-    finally:
-        code = cmd.interrupt()
-    assert code == 0 and "shutting down" in cmd.output()
+@dataclass
+class Served:
+    cmd: "Command"
+    out: str
+    urls: list[str]
+    dashboard_port: int
 
 
-def test_minedraft_serve_with_direct_ingress(run_env, tmp_path):
-    """`--ingress-http direct`: each ingress replica serves HTTP itself, on --port and the next port, on 127.0.0.1
-    like every other listener of the instance (Serve's remaining proxy too, on a port of its own); through each, the
-    official client streams, the key is required, errors are OpenAI's JSON, /metrics answers, and the ingress guard
-    closes a client that never finishes its headers."""
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def served(run_env, tmp_path_factory):
+    """One `minedraft serve` for the tests below (suite time: one private Ray start for them all): no engine
+    flags (the embedded default pair, as `make serve` runs it), an API key, and two ingress replicas serving HTTP
+    directly (`--ingress-http direct`: on --port and the next port, on 127.0.0.1 like every other listener of the
+    instance, Serve's remaining proxy too, on a port of its own)."""
     import re
 
-    import openai
-
-    model = default_model_name(run_env)
-    port = free_port()
-    env = {**run_env, "MINEDRAFT_API_KEY": "sekret"}
-    cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--no-dashboard", "--ingress-http", "direct",
-                   "--ingress-replicas", "2", "--mode", "ar", "--draft", "none", "--max-batch", "4",
-                   "--header-timeout-s", "2"], env, tmp_path / "serve.log")
+    port, dashboard_port = free_port(), free_port()
+    cmd = Command([MINEDRAFT, "serve", "--port", str(port), "--dashboard-port", str(dashboard_port),
+                   "--ingress-http", "direct", "--ingress-replicas", "2", "--header-timeout-s", "2"],
+                  {**run_env, "MINEDRAFT_API_KEY": KEY}, tmp_path_factory.mktemp("serve") / "serve.log")
     try:
         out = cmd.wait_for("Ctrl-C to stop", timeout=300)
         urls = re.findall(r"API\s+(http://\S+)/v1", out)
         assert urls == [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"], out[-2000:]
-        group = _descendants(cmd.proc.pid)   # Ray's workers have sessions of their own: not in the group
-        lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
-        ours = [(line.split()[3], line.split()[-1]) for line in lines
-                if {int(p) for p in re.findall(r"pid=(\d+)", line)} & group]
-        assert not [(a, p) for a, p in ours if a.rsplit(":", 1)[0] not in ("127.0.0.1", "[::ffff:127.0.0.1]")], ours
-        for api_port in (port, port + 1):   # held by the ingress replicas, not by Serve's proxy
-            assert [p for a, p in ours if a.endswith(f":{api_port}")] and \
-                all("ServeRepli" in p for a, p in ours if a.endswith(f":{api_port}")), ours
-        assert any("ProxyActor" in p for _, p in ours), ours
-        for url in urls:
-            client = openai.OpenAI(base_url=url + "/v1", api_key="sekret", timeout=120, max_retries=0)
-            stream = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=12, temperature=0,
-                                               stream=True, stream_options={"include_usage": True},
-                                               extra_body={"ignore_eos": True})
-            chunks = list(stream)
-            assert chunks[-1].usage.completion_tokens == 12 and "".join(c.choices[0].text for c in chunks[:-1])
-            with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-            with pytest.raises(openai.NotFoundError) as missing:
-                client.completions.create(model="nope", prompt="hi", max_tokens=2)
-            assert missing.value.body["code"] == "model_not_found"
-            bad = requests.post(url + "/v1/completions", data=b"{", timeout=30,
-                                headers={"Authorization": "Bearer sekret", "Content-Type": "application/json"})
-            assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-            assert "Traceback" not in bad.text
-            assert requests.get(url + "/metrics", timeout=30).status_code == 401
-            metrics = requests.get(url + "/metrics", headers={"Authorization": "Bearer sekret"}, timeout=30)
-            assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
-            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as slow:
-                slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # never ends its headers
-                t = time.time()
-                assert slow.recv(1024) == b"" and time.time() - t < 5   # closed by the guard's header timeout
-        # a client that goes away mid-stream: the replica sees the disconnect itself and the engine drops the request
-        auth = {"Authorization": "Bearer sekret"}
-        info = lambda: requests.get(urls[1] + "/v1/minedraft/info", headers=auth, timeout=30).json()  # noqa: E731
-        before = info()["aborted"]
-        r = requests.post(urls[1] + "/v1/completions", stream=True, timeout=60, headers=auth,
-                          json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 200, "ignore_eos": True,
-                                "stream": True})
-        lines = r.iter_lines()
-        while not next(lines).startswith(b"data: "):
-            pass
-        r.close()
-        deadline = time.time() + 30
-        while (info()["aborted"] == before or info()["slots_in_use"]) and time.time() < deadline:
-            time.sleep(0.2)
-        state = info()
-        assert state["aborted"] == before + 1 and state["slots_in_use"] == 0 and state["running"] == 0
+        assert f"http://127.0.0.1:{dashboard_port}" in out
+        yield Served(cmd, out, urls, dashboard_port)
     finally:
-        code = cmd.interrupt()
-    assert code == 0 and "shutting down" in cmd.output()
+        if cmd.proc.poll() is None:
+            cmd.interrupt()
+
+
+def test_minedraft_serve_is_locked_down(served):
+    check_locked_down(served.cmd, served.out, served.dashboard_port)
+
+
+def test_minedraft_serve_with_no_engine_flags_serves_the_default_pair(served, run_env):
+    model = default_model_name(run_env)
+    url = served.urls[0]
+    models = requests.get(url + "/v1/models", headers=AUTH, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [model]
+    r = requests.post(url + "/v1/completions", timeout=120, headers=AUTH,
+                      json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0,
+                            "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    # no max_tokens: up to the engine's context limit (which may be below the config's max_len), from a prompt
+    # that leaves a few tokens of it, so the run is short
+    limit = models["data"][0]["max_model_len"]
+    messages = [{"role": "user", "content": content_of_tokens(limit - 8)}]
+    chat = requests.post(url + "/v1/chat/completions", timeout=120, headers=AUTH,
+                         json={"model": model, "messages": messages})
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert limit - 16 < usage["prompt_tokens"] and usage["prompt_tokens"] + usage["completion_tokens"] <= limit
+
+
+def test_minedraft_serve_with_direct_ingress(served, run_env):
+    """Each ingress replica serves HTTP itself: its port is held by the replica, not by Serve's proxy; through
+    each, the official client streams, the key is required, errors are OpenAI's JSON, /metrics answers, and the
+    ingress guard closes a client that never finishes its headers; a client that leaves mid-stream frees its
+    slot."""
+    import re
+
+    import openai
+
+    model, urls = default_model_name(run_env), served.urls
+    group = _descendants(served.cmd.proc.pid)   # Ray's workers have sessions of their own: not in the group
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    ours = [(line.split()[3], line.split()[-1]) for line in lines
+            if {int(p) for p in re.findall(r"pid=(\d+)", line)} & group]
+    assert not [(a, p) for a, p in ours if a.rsplit(":", 1)[0] not in ("127.0.0.1", "[::ffff:127.0.0.1]")], ours
+    for url in urls:   # held by the ingress replicas, not by Serve's proxy
+        api_port = url.rsplit(":", 1)[1]
+        assert [p for a, p in ours if a.endswith(f":{api_port}")] and \
+            all("ServeRepli" in p for a, p in ours if a.endswith(f":{api_port}")), ours
+    assert any("ProxyActor" in p for _, p in ours), ours
+    for url in urls:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+        stream = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=12, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 12 and "".join(c.choices[0].text for c in chunks[:-1])
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="nope", prompt="hi", max_tokens=2)
+        assert missing.value.body["code"] == "model_not_found"
+        bad = requests.post(url + "/v1/completions", data=b"{", timeout=30,
+                            headers={**AUTH, "Content-Type": "application/json"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert "Traceback" not in bad.text
+        assert requests.get(url + "/metrics", timeout=30).status_code == 401
+        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=30)
+        assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=10) as slow:
+            slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")   # never ends its headers
+            t = time.time()
+            assert slow.recv(1024) == b"" and time.time() - t < 5   # closed by the guard's header timeout
+    # a client that goes away mid-stream: the replica sees the disconnect itself and the engine drops the request
+    info = lambda: requests.get(urls[1] + "/v1/minedraft/info", headers=AUTH, timeout=30).json()  # noqa: E731
+    before = info()["aborted"]
+    r = requests.post(urls[1] + "/v1/completions", stream=True, timeout=60, headers=AUTH,
+                      json={"model": model, "prompt": "def fibonacci(n):", "max_tokens": 200, "ignore_eos": True,
+                            "stream": True})
+    lines = r.iter_lines()
+    while not next(lines).startswith(b"data: "):
+        pass
+    r.close()
+    deadline = time.time() + 30
+    while (info()["aborted"] == before or info()["slots_in_use"]) and time.time() < deadline:
+        time.sleep(0.2)
+    state = info()
+    assert state["aborted"] == before + 1 and state["slots_in_use"] == 0 and state["running"] == 0
+
+
+def test_minedraft_serve_exits_cleanly_on_ctrl_c(served):
+    code = served.cmd.interrupt()
+    assert code == 0 and "shutting down" in served.cmd.output()
 
 
 def content_of_tokens(n: int) -> str:
