@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]" $(WARM_IMPORTS)
 	touch $(STAMP)
 
-WARM_IMPORTS := minedraft_ray.cli minedraft_ray.serve.app minedraft_ray.runtime.workers minedraft_ray.testing.workers \
+WARM_IMPORTS := minedraft_ray.cli minedraft_ray.serve.app minedraft_ray.serve.engine_replica minedraft_ray.runtime.workers \
+	minedraft_ray.testing.workers \
 	transformers scipy.stats openai hypothesis triton pyarrow.parquet matplotlib.pyplot xdist ray.util.collective \
 	ray.serve._private.replica ray.serve._private.proxy ray.serve._private.controller ray.dashboard.agent
 

@@ -443,7 +443,7 @@ class HopProbe:
     def __init__(self, urls: list[str], settings: dict, ingress_replicas: int):
         from ray import serve
 
-        from minedraft_ray.serve.app import EngineServer
+        from minedraft_ray.serve.engine_replica import EngineServer
 
         self.urls, self.ingress_replicas = urls, ingress_replicas
         self.engine = serve.get_deployment_handle(EngineServer.name, app_name(settings))

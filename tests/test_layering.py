@@ -1,7 +1,14 @@
 """Production code never imports the test helpers (minedraft_ray/testing): an installed server must not depend
-on code that exists for tests. Checked on the source, without importing anything."""
+on code that exists for tests (checked on the source, without importing anything). The processes that run no model
+(the Serve ingress, the stream mailbox) start without torch (checked in fresh interpreters)."""
 import ast
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "minedraft_ray"
 
@@ -25,3 +32,63 @@ def test_production_code_does_not_import_testing():
                                                             if n.startswith("minedraft_ray.testing"))
                  for p in PACKAGE.rglob("*.py") if "testing" not in p.relative_to(PACKAGE).parts}
     assert not {p: n for p, n in offenders.items() if n}
+
+
+
+# what the Serve ingress replica and the stream mailbox actor import: their processes start from these modules (Serve
+# and Ray pickle their classes by reference) and run no model, so they must not pay for torch's import
+TORCH_FREE = ["minedraft_ray.serve.app", "minedraft_ray.serve.streams"]
+
+
+def run_fresh(code: str, *args: str) -> str:
+    """stdout of `code` run by a new interpreter (sys.argv[1:] = args)."""
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=PACKAGE.parent, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def torch_modules(names) -> list[str]:
+    return sorted(n for n in names if n == "torch" or n.startswith("torch."))
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_ingress_side_modules_import_without_torch(module):
+    imported = run_fresh("import importlib, sys\nimportlib.import_module(sys.argv[1])\nprint(*sys.modules)",
+                         module).split()
+    assert module in imported
+    assert not torch_modules(imported)
+
+
+LOAD_AS_THE_INGRESS = """
+import json, sys
+from minedraft_ray.engine.hf_config import eos_token_ids, read_hf_config
+from minedraft_ray.engine.tokenizer import load_tokenizer
+folder, class_path, text = sys.argv[1:]
+tok = load_tokenizer(folder, class_path)
+chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+ids = tok.encode(text)
+print(json.dumps({"class": type(tok).__name__, "ids": ids, "text": tok.decode(ids), "chat": chat, "len": len(tok),
+                  "eos": list(eos_token_ids(*read_hf_config(folder))),
+                  "torch": sorted(n for n in sys.modules if n == "torch" or n.startswith("torch."))}))
+"""
+
+
+def test_the_ingress_loads_autotokenizers_tokenizer_without_torch(tmp_path):
+    """The ingress builds the tokenizer from the class AutoTokenizer picked in the app builder: the same tokenizer,
+    without AutoTokenizer's import of torch. The folder names a model's own class, which AutoTokenizer picks."""
+    from minedraft_ray.engine.model import ModelConfig
+    from minedraft_ray.engine.tokenizer import load_tokenizer, tokenizer_class_path
+
+    source = PACKAGE / "assets" / "default-target"
+    for name in ("tokenizer.json", "chat_template.jinja", "config.json", "generation_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    auto = load_tokenizer(tmp_path)
+    text = "Speculative decoding, <|endoftext|> twice!"
+    ids = auto.encode(text)
+    expected = {"class": "Qwen2Tokenizer", "ids": ids, "text": auto.decode(ids), "len": len(auto),
+                "chat": auto.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False),
+                "eos": list(ModelConfig.from_pretrained(tmp_path).eos_token_ids), "torch": []}
+    assert type(auto).__name__ == "Qwen2Tokenizer"
+    assert json.loads(run_fresh(LOAD_AS_THE_INGRESS, str(tmp_path), tokenizer_class_path(auto), text)) == expected

@@ -101,6 +101,32 @@ def test_models_and_health(server, client):
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
+def test_the_ingress_and_the_mailbox_run_without_torch(server, tok):
+    """The ingress replicas and an engine replica's stream mailbox run no model: their processes never import torch
+    (a second of CPU at each start). tests/test_layering.py checks their modules; this, the running processes."""
+    import ray
+    from ray import serve
+
+    from minedraft_ray.engine.sampling_params import SamplingParams
+
+    def _torch_loaded(_) -> bool:   # run in an actor's process by __ray_call__ (a local function travels by value)
+        import sys
+        return "torch" in sys.modules
+
+    ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#OpenAIServer#" in a["name"]]
+    assert ingress
+    for name in ingress:
+        assert not ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(_torch_loaded)), name
+    # the mailbox is the engine replica's: a request's first item (Accepted) names it
+    engine = serve.get_deployment_handle("MineDraftEngine", "minedraft")
+    stream = engine.generate.options(stream=True).remote(tok.encode(PROMPTS[0]), SamplingParams(max_tokens=1),
+                                                         "torch-probe", "torch-probe")
+    accepted = next(stream)
+    assert not ray.get(accepted.mailbox.__ray_call__.remote(_torch_loaded))
+    assert ray.get(accepted.mailbox.take.remote("torch-probe"))   # the request's output, taken: nothing lingers
+    stream.cancel()
+
+
 def test_completion(client, tok):
     prompt = PROMPTS[0]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

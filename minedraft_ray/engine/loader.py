@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .model import ModelConfig, Transformer, rope_cos_sin
-from .presets import init_random_, is_random
+from .presets import is_random
+from .tokenizer import load_chat_template, load_tokenizer  # noqa: F401 - imported from here too
 
 log = logging.getLogger(__name__)
 
@@ -189,32 +189,17 @@ def load_model(path, device, dtype: torch.dtype | None = None, tp=None) -> Trans
     return model.requires_grad_(False).eval()
 
 
-_TRANSFORMERS_IMPORT = threading.Lock()
-
-
-def load_tokenizer(path):
-    # transformers' lazy module is not thread-safe on first use: two engines built in threads at once (data-parallel
-    # replicas in one process) can fail with "cannot import name 'AutoTokenizer'"
-    with _TRANSFORMERS_IMPORT:
-        from transformers import AutoTokenizer
-
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"tokenizer folder {path} does not exist")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-
-
-def load_chat_template(value: str) -> str:
-    """A chat template given as a file path or as the Jinja text itself (vLLM's --chat-template)."""
-    path = Path(value).expanduser()
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError:   # a long inline template is no valid path
-        pass
-    if any(c in value for c in "{}\n"):
-        return value
-    raise FileNotFoundError(f"chat template {value!r}: no such file, and it is no Jinja template either")
+@torch.no_grad()
+def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Normal(0, std) weights, unit norms: finite activations at any depth, like a trained model's scale."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
 
 
 def _merges(path: Path) -> list[tuple[str, ...]] | None:

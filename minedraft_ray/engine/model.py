@@ -6,17 +6,16 @@ per-row Python, and one CUDA graph per (batch, q) shape serves every step.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import DecodeRows, attend, attend_packed, triton_op, write_kv
+from .hf_config import as_ids, eos_token_ids, read_hf_config
 from .kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM, KVCache
 
 ARCHITECTURES = {
@@ -36,12 +35,6 @@ def _unsupported(what: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(
         f"{what}; supported architectures: {', '.join(ARCHITECTURES)} "
         "(SiLU MLP, RoPE of type default/linear/llama3, no sliding window)")
-
-
-def _as_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
 @dataclass
@@ -67,15 +60,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path) -> "ModelConfig":
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model folder {path} does not exist")
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json (expected a Hugging Face model folder)")
-        hf = json.loads((path / "config.json").read_text())
-        gen_path = path / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_hf_dict(hf, gen)
+        return cls.from_hf_dict(*read_hf_config(path))
 
     @classmethod
     def from_hf_dict(cls, hf: dict, gen: dict | None = None) -> "ModelConfig":
@@ -101,7 +86,6 @@ class ModelConfig:
             max_pos = min(max_pos, int(window))
 
         heads = int(hf["num_attention_heads"])
-        eos = _as_ids(hf.get("eos_token_id")) + _as_ids((gen or {}).get("eos_token_id"))
         dtype_name = hf.get("dtype") or hf.get("torch_dtype") or "bfloat16"
         if dtype_name not in _DTYPES:
             raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
@@ -122,8 +106,8 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
-            eos_token_ids=tuple(dict.fromkeys(eos)),
-            bos_token_id=None if bos is None else int(_as_ids(bos)[0]),
+            eos_token_ids=eos_token_ids(hf, gen),
+            bos_token_id=None if bos is None else int(as_ids(bos)[0]),
             dtype=_DTYPES[dtype_name],
         )
 

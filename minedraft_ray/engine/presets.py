@@ -10,8 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 RANDOM_PREFIX = "random:"
 RANDOM_MARKER = "random_weights.json"
 
@@ -108,15 +106,3 @@ def _tokenizer(folder: Path, vocab_size: int):
 def is_random(folder: str | os.PathLike) -> bool:
     return (Path(folder) / RANDOM_MARKER).is_file()
 
-
-@torch.no_grad()
-def init_random_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Normal(0, std) weights, unit norms: finite activations at any depth, like a trained model's scale."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.fill_(1.0)
-        elif p.dim() == 1:
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)

@@ -1,7 +1,16 @@
 """Ray layer: drafter/verifier actors, the batch manager, the LLM API."""
-from .llm import LLM, RequestOutput
-from .manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput
-from .placement import make_bundles
 
-__all__ = ["LLM", "RequestOutput", "BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput",
-           "make_bundles"]
+_LAZY = {
+    "LLM": "llm", "RequestOutput": "llm", "BatchManager": "manager", "EngineDeadError": "errors",
+    "EngineOverloadedError": "errors", "StepOutput": "streams", "make_bundles": "placement",
+}
+
+
+def __getattr__(name):  # a light module of this package (errors, streams) must not import the manager and torch
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

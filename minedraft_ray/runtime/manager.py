@@ -37,6 +37,7 @@ from ..engine.sampling import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, wait_for
+from .errors import EngineDeadError, EngineOverloadedError
 from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState, Scheduler,
                         SchedulerConfig, VerifyPlan)
 from .streams import OutputSink, StepOutput, _merged, coalesced
@@ -49,14 +50,6 @@ __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutp
            "overlap_by_default", "START_TIMEOUT_S"]
 
 log = logging.getLogger("minedraft.runtime")
-
-
-class EngineOverloadedError(RuntimeError):
-    """The bounded queue is full: the caller should retry later (HTTP 429/503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The verifier (target model) is gone: no request can complete."""
 
 
 @dataclass(eq=False)

@@ -3,9 +3,9 @@
     serve run deployments/minedraft.yaml          # import_path: minedraft_ray.serve.app:build_app
     serve.run(build_app({"mode": "psd", "max_batch": 16}))
 
-EngineServer: its replica owns the MineDraft placement group (bundle 0 is the replica itself, the other
-bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager; the StepOutputs
-(token ids, logprobs, stats) of all its requests reach the ingress in step batches through its mailbox
+EngineServer (serve/engine_replica.py): its replica owns the MineDraft placement group (bundle 0 is the replica
+itself, the other bundles hold the drafter/verifier actors the BatchManager creates) and the BatchManager; the
+StepOutputs (token ids, logprobs, stats) of all its requests reach the ingress in step batches through its mailbox
 (serve/streams.py). Scale-out is data parallel: `num_replicas` (or autoscaling between
 `min_replicas` and `max_replicas`) engine replicas, each with its own placement group, so each replica's
 drafter and verifier stay on one node. A request lives on the replica Serve routed it to; only its own
@@ -41,7 +41,6 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,13 +52,15 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig
+from ..engine.hf_config import eos_token_ids, read_hf_config
 from ..engine.hub import with_local_models
 from ..engine.presets import resolve_model
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
+from ..engine.tokenizer import load_chat_template, load_tokenizer, tokenizer_class_path
 from ..observability.heap import CollectorWatch
-from ..runtime.manager import BatchManager, EngineDeadError, EngineOverloadedError, StepOutput, StepRecord
+from ..runtime.errors import EngineDeadError, EngineOverloadedError
 from ..runtime.placement import STRATEGY, make_bundles
-from ..runtime.workers import shared_vocab
+from ..runtime.streams import StepOutput
 from .compat import (ClientGoneAsDisconnect, ConfiguredCORSMiddleware, IgnoredFields, configure_cors, engine_request_base,
                      request_id_of)
 from .detokenize import OutputText, TokenStrings
@@ -67,7 +68,7 @@ from .loop_lag import LoopLagWatch
 from .guard import (BodyTimeout, BodyTooLarge, IngressLimits, bind_replica_grpc_to_node_ip, declared_length,
                     read_body, timeout_message, too_large_message)
 from .ingress_http import check_ingress_http
-from .streams import Accepted, FlushRecord, OutputBatcher, RequestSink, StreamRouter, start_mailbox
+from .streams import Refusal, StreamRouter
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
                        error_body, parse, spec_stats, usage)
 from .vllm_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -89,75 +90,6 @@ ADMITTING_AT_ONCE = 4    # requests being admitted (parsed, tokenized, submitted
                          # instead of ahead of all of them
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
                          # must not take the slots /health and ordinary requests need
-
-
-# ---------------------------------------------------------------- engine deployment
-
-@dataclass(frozen=True)
-class Refusal:
-    """The engine's answer to a request it does not take: its queue is full, or it is dead."""
-    reason: Literal["queue_full", "engine_dead"]
-
-
-@serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
-class EngineServer:
-    async def __init__(self, config: dict, vocab_limit: int | None):
-        """vocab_limit: the pair's shared_vocab, checked by the app builder."""
-        bind_replica_grpc_to_node_ip()
-        self.manager = BatchManager(with_local_models(EngineConfig.model_validate(config)), vocab_limit=vocab_limit)
-        await self.manager.start()
-        self.mailbox_key = serve.get_replica_context().replica_id.unique_id
-        self.outputs = OutputBatcher(start_mailbox(), self.manager.config.stream_interval_ms / 1e3)
-        # each step's end, its commit done: where the batcher sends a grid time's outputs ahead of it
-        self.manager.step_listeners.append(lambda record: self.outputs.step_done(record.step_ms / 1e3))
-        await self.outputs.mailbox.alive.remote()   # its process is up before the first request waits for it
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, subscriber: str):
-        """One request. Its stream's only item is `Accepted` once the request is queued (so the ingress can answer
-        200 and start streaming), a Refusal (queue full, engine dead), or the error of a bad request; its outputs go
-        to `subscriber` (the ingress replica) through the mailbox, an engine failure as its last output's error. The
-        stream stays open while the request runs: cancelling it (a disconnect, a stop string) aborts the request."""
-        sink = RequestSink(self.outputs, subscriber)
-        try:
-            self.manager.submit(prompt_ids, params, request_id, sink)   # overload, dead engine, bad request: raise
-        except (EngineOverloadedError, EngineDeadError) as e:
-            # expected: answered as a value, so Serve logs no failed call with its traceback
-            yield Refusal("queue_full" if isinstance(e, EngineOverloadedError) else "engine_dead")
-            return
-        try:
-            yield Accepted(self.outputs.mailbox, self.mailbox_key)
-            await sink.done.wait()
-        finally:
-            if not sink.done.is_set():
-                await self.manager.abort(request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        """Abort a request this replica holds; False when it does not know it (another replica has it, or it
-        has finished)."""
-        if request_id not in self.manager.requests:
-            return False
-        await self.manager.abort(request_id)
-        return True
-
-    async def info(self) -> dict:   # async: runs on the loop that owns the manager
-        return {**self.manager.info(), "workers": self.manager.worker_info,
-                "replica": serve.get_replica_context().replica_id.unique_id}
-
-    async def steps_since(self, step: int) -> list[StepRecord]:
-        """The engine's step records after step number `step` (info's `steps`): benchmarks read a run's steps.
-        A handle call only, no HTTP route."""
-        return self.manager.steps_since(step)
-
-    async def flushes_since(self, t: float) -> list[FlushRecord]:
-        """The output batcher's interval flushes after wall clock `t`: benchmarks read a run's flushes."""
-        return [f for f in self.outputs.history if f.t > t]
-
-    async def check_health(self) -> None:
-        if self.manager.dead:
-            raise RuntimeError(f"engine is dead: {self.manager.dead}")
-
-    async def __del__(self):
-        await self.manager.shutdown()
 
 
 # ---------------------------------------------------------------- ingress
@@ -447,17 +379,17 @@ def _sse(data: dict | str) -> str:
 @serve.deployment(name="OpenAIServer")
 @serve.ingress(api)
 class OpenAIServer:
-    def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None):
-        from ..engine.loader import load_chat_template, load_tokenizer
-        from ..engine.model import ModelConfig
-
+    def __init__(self, engine: DeploymentHandle, config: dict, api_key_sha256: str | None = None,
+                 tokenizer_class: str | None = None):
+        """tokenizer_class: the target tokenizer's class (`tokenizer_class_path`), found by the app builder: built
+        from it, the tokenizer loads without AutoTokenizer, whose import (torch) would cost every ingress start."""
         bind_replica_grpc_to_node_ip()
         # one thread per encode: the tokenizer's own thread pool would take every core from the engine
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.engine = engine
         self.config = with_local_models(EngineConfig.model_validate(config))
-        self.tokenizer = load_tokenizer(self.config.target)
-        self.eos_token_ids = frozenset(ModelConfig.from_pretrained(self.config.target).eos_token_ids)
+        self.tokenizer = load_tokenizer(self.config.target, tokenizer_class)
+        self.eos_token_ids = frozenset(eos_token_ids(*read_hf_config(self.config.target)))
         if self.config.chat_template:
             self.tokenizer.chat_template = load_chat_template(self.config.chat_template)
         configure_cors(self.config.cors_allow_origins)
@@ -913,14 +845,18 @@ def build_app(args: dict | None = None):
 
 
 def build_app_with_key(args: dict | None, api_key: str | None):
+    # here, not at the top: the ingress replicas import this module, and these import the runtime's torch side
+    from ..runtime.workers import shared_vocab
+    from .engine_replica import EngineServer
+
     config = load_config(args)
     check_ingress_http(config.ingress_http)
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
-    resolve_model(config.target, config.revision, config.download_dir)
+    target = resolve_model(config.target, config.revision, config.download_dir)
     resolve_model(config.draft, config.draft_revision, config.download_dir)
     vocab_limit = shared_vocab(config)   # an incompatible draft fails here, not in every engine replica
+    tokenizer_class = tokenizer_class_path(load_tokenizer(target))   # AutoTokenizer's choice, found once here
     if config.chat_template:   # the text travels, not a path that may exist only here
-        from ..engine.loader import load_chat_template
         config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
     hub_env = hub_env_vars()
     bundles = make_bundles(config.mode, tp=config.tp)
@@ -937,4 +873,4 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
                                 **ingress_limits(config, replicas), **ingress_options(config),
                                 graceful_shutdown_timeout_s=config.graceful_shutdown_s + SHUTDOWN_RELAY_S).bind(
-        engine, config.model_dump(), key_hash)
+        engine, config.model_dump(), key_hash, tokenizer_class)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.sampling import MAX_LOGPROBS
+from ..engine.sampling_params import MAX_LOGPROBS
 from .guard import RETRY_AFTER_S
 
 MAX_STOP_STRINGS = 16

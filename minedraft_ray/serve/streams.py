@@ -29,7 +29,7 @@ import pickle
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -48,6 +48,13 @@ class Accepted:
     (`key` names that replica's mailbox)."""
     mailbox: object
     key: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request's only item on its Serve stream when the engine replica does not take it: its queue is full, or it
+    is dead."""
+    reason: Literal["queue_full", "engine_dead"]
 
 
 @dataclass(frozen=True)
