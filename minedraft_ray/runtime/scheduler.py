@@ -92,8 +92,19 @@ class PlannedBlocks(BlockManager):
         self._edits: dict[tuple[int, int], int] = {}
 
     def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
-        for entry in zip(rows, cols, ids):
-            self._edits[entry[:2]] = entry[2]
+        edits = self._edits
+        for row, col, block in zip(rows, cols, ids):
+            edits[row, col] = block
+
+    def grow(self, slot: int, n: int) -> None:
+        # BlockManager.grow with its changes queued directly: every step grows a few riders' tables
+        held = self.held[slot]
+        start = len(held)
+        new = self._take(n)
+        held += new
+        edits = self._edits
+        for col, block in enumerate(new, start):
+            edits[slot, col] = block
 
     def take_edits(self) -> TableEdits | None:
         if not self._edits:
@@ -349,19 +360,23 @@ class Scheduler:
         length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
         if length <= s.blocks_cover:   # mostly: a block lasts several steps
             return True
-        wants = None
+        # a pool grows every few steps per rider: one pass that checks every pool and works out what the blocks
+        # will cover (as `length` counts it; a full table covers any length), then the growth, all or nothing
+        cap, cover, wants = self._cap, UNBOUNDED, []
         for pool, ahead in self._pools:
-            missing = -(-min(length + ahead, self._cap) // pool.block_size) - len(pool.held[slot])
+            held = len(pool.held[slot])
+            missing = -(-min(length + ahead, cap) // pool.block_size) - held
             if missing > 0:
                 if missing > pool.num_available:
                     return False
-                wants = (wants or []) + [(pool, missing)]
-        for pool, missing in wants or ():
+                wants.append((pool, missing))
+                held += missing
+            covered = held * pool.block_size
+            if covered < cap and covered - ahead < cover:
+                cover = covered - ahead
+        for pool, missing in wants:
             pool.grow(slot, missing)
-        # what the blocks now cover, as `length` counts it (a full table covers any length)
-        s.blocks_cover = min(covered - ahead if covered < self._cap else UNBOUNDED
-                             for pool, ahead in self._pools
-                             for covered in (len(pool.held[slot]) * pool.block_size,))
+        s.blocks_cover = cover
         return True
 
     def _covered(self, s: RequestState) -> bool:
@@ -545,6 +560,8 @@ class Scheduler:
         """Drop done requests from the batches; -> the aborted ones, finished now."""
         aborted = []
         for b, batch in enumerate(self.batches):
+            if not any(s.done for s in batch):   # most steps retire nobody
+                continue
             keep = []
             for s in batch:
                 if s.request.finished:
@@ -726,6 +743,8 @@ class Scheduler:
         back to back while nothing does (nothing to stall), until one completes a prompt, whose verify then
         carries the next chunk along. -> the one that may ride in the first verify's launch (fuse_prefill), sized
         to what that verify leaves of the budget; None when none may."""
+        if not self.unprefilled:
+            return None
         # decoding: a verify in flight, or a started request that will ride one (this call's, or its next)
         decoding = any(self.queued) or any(s.ready and not s.done for batch in self.batches for s in batch)
         fusing = decoding and self.config.fuse_prefill and self.config.prefill_budget is not None
@@ -855,14 +874,14 @@ class Scheduler:
                      ) -> VerifyPlan | None:
         """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride.
         carry: a prefill planned in this call that may ride in its launch (fused) where the budget holds both."""
-        # only requests whose whole prompt is planned ride (their chunks run before this verify)
-        if self.depth > 1:   # everything the step needs is in the verifier's slot state
-            rows = [s for s in self.batches[b] if s.ready]
-        else:   # a request rides when its state is committed, or only its prefill is ahead of it
-            rows = [s for s in self.batches[b] if s.ready and s.inflight == s.prefill_tasks]
-        # and when it has the blocks the verify writes (mostly `_grow` or its admission gave them; a second verify
-        # queued in sd and ar takes more, as does a restarted drafter's pool); without them it rides a later one
-        rows = [s for s in rows if id(s) not in self._waiting_for_blocks and self._reserve(s)]
+        # only requests whose whole prompt is planned ride (their chunks run before this verify); in sd and ar
+        # everything the step needs is in the verifier's slot state, otherwise a request rides when its state is
+        # committed, or only its prefill is ahead of it. And when it has the blocks the verify writes (mostly
+        # `_grow` or its admission gave them; a second verify queued in sd and ar takes more, as does a restarted
+        # drafter's pool); without them it rides a later one
+        any_inflight, waiting = self.depth > 1, self._waiting_for_blocks
+        rows = [s for s in self.batches[b] if s.ready and (any_inflight or s.inflight == s.prefill_tasks)
+                and (not waiting or id(s) not in waiting) and self._reserve(s)]
         regime = self.regime(b)
         fused = None
         if carry is not None:
@@ -893,17 +912,21 @@ class Scheduler:
             # request is drafted at the same positions in every mode. Riders the round drafted ahead covers
             # (nothing committed for them since it was built) take its rows; the others (new, or moved here)
             # a round of their own, drafted now
-            covered = [] if ahead is None else \
-                [s for s in rows if s.inflight == 0 and ahead.built.get(id(s), (0, None))[1] == s.last_seq]
-            if ahead is not None and not covered:
+            row_of = {}   # id(state) -> its row in the round drafted ahead, for the riders it covers
+            if ahead is not None:
+                built = ahead.built
+                for s in rows:
+                    entry = built.get(id(s)) if s.inflight == 0 else None
+                    if entry is not None and entry[1] == s.last_seq:
+                        row_of[id(s)] = entry[0]
+            if ahead is not None and not row_of:
                 self.counters["draft_rows_unused"] += len(ahead.rows)
                 plan.dropped.append(ahead)
                 ahead = None
-            row_of = {id(s): ahead.built[id(s)][0] for s in covered}
             if ahead is not None:
                 verify.ahead = ahead
                 self.counters["drafts_ahead_used"] += 1
-                self.counters["draft_rows_unused"] += len(ahead.rows) - len(covered)
+                self.counters["draft_rows_unused"] += len(ahead.rows) - len(row_of)
             missing = [s for s in rows if id(s) not in row_of]
             if missing:
                 verify.fresh = DraftPlan(b, [self._fresh_row(s) for s in missing],
@@ -932,20 +955,25 @@ class Scheduler:
         the drafter reads from their results. The chain verify -> draft -> verify then runs without waiting
         for the manager's commit; at the next verify, members not covered get a fresh round."""
         at_verify = {id(s): row for row, s in enumerate(verify.rows)}
+        draft_index = verify.draft_index
         rows, built = [], {}
         for s in self.batches[b]:
             vrow = at_verify.get(id(s), -1)
             if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
-            if vrow < 0 and not self._covered(s):
+            if vrow >= 0:
+                last = verify.seq
+            elif not self._covered(s):
                 continue   # no blocks for its drafts yet (the verify left it out for that)
-            last = verify.seq if vrow >= 0 else s.prefill.seq if s.prefilling else s.last_seq
+            else:
+                last = s.prefill.seq if s.prefilling else s.last_seq
+            first_token = s.takes_first_token
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
             # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
-            all_but_two = (vrow >= 0 and verify.draft_index[vrow] >= 0) or \
-                (s.takes_first_token and s.request.draft_valid >= s.prefill_len)
+            all_but_two = (vrow >= 0 and draft_index[vrow] >= 0) or \
+                (first_token and s.request.draft_valid >= s.prefill_len)
             built[id(s)] = (len(rows), last)
-            rows.append(DraftRow(s, s.prefill if s.takes_first_token else None, vrow, all_but_two))
+            rows.append(DraftRow(s, s.prefill if first_token else None, vrow, all_but_two))
         if not rows:
             return None
         return DraftPlan(b, rows, after_seq=verify.seq, generation=self.drafter_generation, built=built)
