@@ -355,11 +355,12 @@ class Scheduler:
     def _reserve(self, s: RequestState) -> bool:
         """Blocks for s's next verify in every model, all or nothing; False when a pool is short."""
         r = s.request
-        k, slot = self._step_tokens, r.slot
+        k = self._step_tokens
         # `_reaches` inline, for the common case: every pool already covers it (a block lasts several steps)
         length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
         if length <= s.blocks_cover:   # mostly: a block lasts several steps
             return True
+        slot = r.slot
         # a pool grows every few steps per rider: one pass that checks every pool and works out what the blocks
         # will cover (as `length` counts it; a full table covers any length), then the growth, all or nothing
         cap, cover, wants = self._cap, UNBOUNDED, []
@@ -560,8 +561,11 @@ class Scheduler:
         """Drop done requests from the batches; -> the aborted ones, finished now."""
         aborted = []
         for b, batch in enumerate(self.batches):
-            if not any(s.done for s in batch):   # most steps retire nobody
-                continue
+            for s in batch:
+                if s.done:
+                    break
+            else:
+                continue   # most steps retire nobody
             keep = []
             for s in batch:
                 if s.request.finished:
@@ -961,17 +965,17 @@ class Scheduler:
             vrow = at_verify.get(id(s), -1)
             if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
+            # the drafter's slot holds every token but the last two of the sequence the row ends with: after
+            # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
             if vrow >= 0:
-                last = verify.seq
+                last, all_but_two = verify.seq, draft_index[vrow] >= 0
             elif not self._covered(s):
                 continue   # no blocks for its drafts yet (the verify left it out for that)
             else:
-                last = s.prefill.seq if s.prefilling else s.last_seq
+                last, all_but_two = s.prefill.seq if s.prefilling else s.last_seq, False
             first_token = s.takes_first_token
-            # the drafter's slot holds every token but the last two of the sequence the row ends with: after
-            # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
-            all_but_two = (vrow >= 0 and draft_index[vrow] >= 0) or \
-                (first_token and s.request.draft_valid >= s.prefill_len)
+            if first_token and not all_but_two:
+                all_but_two = s.request.draft_valid >= s.prefill_len
             built[id(s)] = (len(rows), last)
             rows.append(DraftRow(s, s.prefill if first_token else None, vrow, all_but_two))
         if not rows:
