@@ -591,6 +591,13 @@ class BatchManager:
     def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> int:
         """Append a task's tokens to its requests and stream them (the scheduler has counted the task done).
         -> the number of requests streamed to (those finished or aborted meanwhile get nothing)."""
+        for state in states:
+            if state.request.finished:
+                break
+        else:   # mostly: every row is live
+            if states:
+                self._emit(states, commit_tokens([s.request for s in states], tokens, logprobs, num_drafts))
+            return len(states)
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
         for row, (state, toks, nd) in enumerate(zip(states, tokens, num_drafts)):
             if state.request.finished:   # finished or aborted meanwhile: its extra tokens are dropped
@@ -672,7 +679,7 @@ class BatchManager:
 
     def _submit_verify(self, verify: VerifyPlan) -> None:
         task = InFlight(verify, "verify")
-        slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
+        slots, nlp = [s.request.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
         # fused: its chunks ride in the verify's launch
         chunks = self._submit_chunks(verify.prefill) if verify.prefill is not None else None
         if chunks is not None:

@@ -916,28 +916,31 @@ class Scheduler:
             # request is drafted at the same positions in every mode. Riders the round drafted ahead covers
             # (nothing committed for them since it was built) take its rows; the others (new, or moved here)
             # a round of their own, drafted now
-            row_of = {}   # id(state) -> its row in the round drafted ahead, for the riders it covers
+            index, missing = verify.draft_index, []   # a rider's row in the round ahead; -1: in its own round
             if ahead is not None:
                 built = ahead.built
-                for s in rows:
+                for i, s in enumerate(rows):
                     entry = built.get(id(s)) if s.inflight == 0 else None
                     if entry is not None and entry[1] == s.last_seq:
-                        row_of[id(s)] = entry[0]
-            if ahead is not None and not row_of:
-                self.counters["draft_rows_unused"] += len(ahead.rows)
-                plan.dropped.append(ahead)
-                ahead = None
-            if ahead is not None:
-                verify.ahead = ahead
-                self.counters["drafts_ahead_used"] += 1
-                self.counters["draft_rows_unused"] += len(ahead.rows) - len(row_of)
-            missing = [s for s in rows if id(s) not in row_of]
+                        index[i] = entry[0]
+                    else:
+                        missing.append(i)
+                if len(missing) == len(rows):   # it covers no rider
+                    self.counters["draft_rows_unused"] += len(ahead.rows)
+                    plan.dropped.append(ahead)
+                    ahead = None
+                else:
+                    verify.ahead = ahead
+                    self.counters["drafts_ahead_used"] += 1
+                    self.counters["draft_rows_unused"] += len(ahead.rows) - (len(rows) - len(missing))
+            else:
+                missing = list(range(len(rows)))
             if missing:
-                verify.fresh = DraftPlan(b, [self._fresh_row(s) for s in missing],
+                verify.fresh = DraftPlan(b, [self._fresh_row(rows[i]) for i in missing],
                                          generation=self.drafter_generation)
                 offset = len(ahead.rows) if ahead is not None else 0
-                row_of.update((id(s), offset + i) for i, s in enumerate(missing))
-            verify.draft_index = [row_of[id(s)] for s in rows]
+                for j, i in enumerate(missing):
+                    index[i] = offset + j
         for s in rows:
             s.inflight += 1
         self.queued[b] += 1
@@ -958,11 +961,12 @@ class Scheduler:
         at most its prefill and this verify gets a row: its committed tokens plus those tasks' tokens, which
         the drafter reads from their results. The chain verify -> draft -> verify then runs without waiting
         for the manager's commit; at the next verify, members not covered get a fresh round."""
-        at_verify = {id(s): row for row, s in enumerate(verify.rows)}
-        draft_index = verify.draft_index
+        batch, draft_index = self.batches[b], verify.draft_index
+        # the verify's rows are members of the batch in its order: all of them (mostly), or a dict says which
+        at_verify = None if len(verify.rows) == len(batch) else {id(s): row for row, s in enumerate(verify.rows)}
         rows, built = [], {}
-        for s in self.batches[b]:
-            vrow = at_verify.get(id(s), -1)
+        for member, s in enumerate(batch):
+            vrow = member if at_verify is None else at_verify.get(id(s), -1)
             if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
