@@ -82,7 +82,7 @@ class BlockPool:
         if n > len(self._free):
             raise BlocksExhaustedError(f"{n} KV blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
         free, refcount = self._free, self.refcount
-        blocks = [free.popleft() for _ in range(n)]
+        blocks = [free.popleft()] if n == 1 else [free.popleft() for _ in range(n)]   # mostly one (a step's growth)
         for b in blocks:
             refcount[b] = 1
         return blocks

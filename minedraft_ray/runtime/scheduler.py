@@ -100,7 +100,7 @@ class PlannedBlocks(BlockManager):
         # BlockManager.grow with its changes queued directly: every step grows a few riders' tables
         held = self.held[slot]
         start = len(held)
-        new = self._take(n)
+        new = self.pool.alloc(n) if not self.idle else self._take(n)   # no cached block to evict: the free list
         held += new
         edits = self._edits
         for col, block in enumerate(new, start):
