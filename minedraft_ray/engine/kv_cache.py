@@ -81,9 +81,10 @@ class BlockPool:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise BlocksExhaustedError(f"{n} KV blocks wanted, {len(self._free)} free of {self.num_blocks - 1}")
-        blocks = [self._free.popleft() for _ in range(n)]
+        free, refcount = self._free, self.refcount
+        blocks = [free.popleft()] if n == 1 else [free.popleft() for _ in range(n)]   # mostly one (a step's growth)
         for b in blocks:
-            self.refcount[b] = 1
+            refcount[b] = 1
         return blocks
 
     def incref(self, block: int) -> None:
@@ -174,7 +175,7 @@ class BlockManager:
 
     def _take(self, n: int) -> list[int]:
         """n blocks from the free list, evicting idle cached blocks (least recently used first) when it runs dry."""
-        while self.pool.num_free < n and self.idle:
+        while self.idle and self.pool.num_free < n:
             block, _ = self.idle.popitem(last=False)
             del self.cached[self.block_key.pop(block)]
             self.pool.put_back(block)
@@ -204,9 +205,10 @@ class BlockManager:
 
     def grow(self, slot: int, n: int) -> None:
         """n more blocks at the end of `slot`'s table (the caller checked they are available and fit the table)."""
-        start = len(self.held[slot])
+        held = self.held[slot]
+        start = len(held)
         new = self._take(n)
-        self.held[slot].extend(new)
+        held += new
         self._map([slot] * n, list(range(start, start + n)), new)
 
     def release(self, slot: int) -> list[int]:

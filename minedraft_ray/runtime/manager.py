@@ -58,7 +58,6 @@ class InFlight:
     plan: PrefillPlan | VerifyPlan
     kind: str                        # prefill | verify | step (sd: draft + verify in one actor)
     ref: object = None               # the verifier's result
-    submitted: float = field(default_factory=time.perf_counter)
     submitted_wall: float = field(default_factory=time.time)
     tokens_to: object = None         # collective channel: the key its tokens go to the next draft round under
     drafts: list = field(default_factory=list)          # the rounds it names (refs or channel keys)
@@ -585,6 +584,13 @@ class BatchManager:
     def _commit(self, states: list[RequestState], tokens: list[list[int]], logprobs, num_drafts: list[int]) -> int:
         """Append a task's tokens to its requests and stream them (the scheduler has counted the task done).
         -> the number of requests streamed to (those finished or aborted meanwhile get nothing)."""
+        for state in states:
+            if state.request.finished:
+                break
+        else:   # mostly: every row is live
+            if states:
+                self._emit(states, commit_tokens([s.request for s in states], tokens, logprobs, num_drafts))
+            return len(states)
         live, live_tokens, live_logprobs, live_drafts = [], [], [], []
         for row, (state, toks, nd) in enumerate(zip(states, tokens, num_drafts)):
             if state.request.finished:   # finished or aborted meanwhile: its extra tokens are dropped
@@ -666,7 +672,7 @@ class BatchManager:
 
     def _submit_verify(self, verify: VerifyPlan) -> None:
         task = InFlight(verify, "verify")
-        slots, nlp = [s.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
+        slots, nlp = [s.request.slot for s in verify.rows], self._num_logprobs(self._step_requests(verify))
         # fused: its chunks ride in the verify's launch
         chunks = self._submit_chunks(verify.prefill) if verify.prefill is not None else None
         if chunks is not None:
@@ -686,7 +692,8 @@ class BatchManager:
                 task.drafts.append(round_.handle)
                 task.draft_timings.append(round_.timing)
             keys, arguments = self.channel.verify_drafts(task.drafts)
-            task.message = VerifyTask(verify.seq, slots, nlp, verify.draft_index if verify.drafted else None,
+            drafted = max(verify.draft_index) >= 0   # any row with drafts (`drafted`, without counting them)
+            task.message = VerifyTask(verify.seq, slots, nlp, verify.draft_index if drafted else None,
                                       keys, task.tokens_to, self._verifier_tables(), chunks)
             task.ref = self.verifier.verify.remote(task.message.to_wire(), *arguments)
         if verify.prefill is not None:   # rounds take its first tokens from the verify's result
@@ -706,9 +713,11 @@ class BatchManager:
         over_link = after.tokens_to if after is not None else None
         sources, source_of = ([after.ref] if after is not None and over_link is None else []), {}
         first_argument = 1 if over_link is not None else 0   # the source number of sources[0]
-        requests = [spec.state.request for spec in round_.rows]
-        slots, valid, tails, takes_of, all_but_two = [], [], [], [], []
-        for row, spec in zip(draft_rows(requests), round_.rows):
+        specs = round_.rows
+        requests = [spec.state.request for spec in specs]
+        rows = draft_rows(requests)
+        takes_of = []
+        for spec in specs:
             takes = []
             if spec.from_prefill is not None:
                 source = source_of.get(id(spec.from_prefill))
@@ -718,14 +727,11 @@ class BatchManager:
                 takes.append((source, spec.state.prefill_row))
             if spec.verify_row >= 0:
                 takes.append((0, spec.verify_row))
-            slots.append(row.slot)
-            valid.append(row.valid)
-            tails.append(row.catchup)
             takes_of.append(takes)
-            all_but_two.append(spec.all_but_two)
-        message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two,
-                             [r.seed for r in requests], [len(r.output_ids) for r in requests],
-                             self._drafter_tables(), over_link)
+        message = DraftRound(self.actors.next_drafter_seq(), self.k, [row.slot for row in rows],
+                             [row.valid for row in rows], [row.catchup for row in rows], takes_of,
+                             [spec.all_but_two for spec in specs], [r.seed for r in requests],
+                             [len(r.output_ids) for r in requests], self._drafter_tables(), over_link)
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:

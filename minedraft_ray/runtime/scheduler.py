@@ -92,8 +92,19 @@ class PlannedBlocks(BlockManager):
         self._edits: dict[tuple[int, int], int] = {}
 
     def _map(self, rows: list[int], cols: list[int], ids: list[int]) -> None:
-        for entry in zip(rows, cols, ids):
-            self._edits[entry[:2]] = entry[2]
+        edits = self._edits
+        for row, col, block in zip(rows, cols, ids):
+            edits[row, col] = block
+
+    def grow(self, slot: int, n: int) -> None:
+        # BlockManager.grow with its changes queued directly: every step grows a few riders' tables
+        held = self.held[slot]
+        start = len(held)
+        new = self.pool.alloc(n) if not self.idle else self._take(n)   # no cached block to evict: the free list
+        held += new
+        edits = self._edits
+        for col, block in enumerate(new, start):
+            edits[slot, col] = block
 
     def take_edits(self) -> TableEdits | None:
         if not self._edits:
@@ -344,24 +355,29 @@ class Scheduler:
     def _reserve(self, s: RequestState) -> bool:
         """Blocks for s's next verify in every model, all or nothing; False when a pool is short."""
         r = s.request
-        k, slot = self._step_tokens, r.slot
+        k = self._step_tokens
         # `_reaches` inline, for the common case: every pool already covers it (a block lasts several steps)
         length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
         if length <= s.blocks_cover:   # mostly: a block lasts several steps
             return True
-        wants = None
+        slot = r.slot
+        # a pool grows every few steps per rider: one pass that checks every pool and works out what the blocks
+        # will cover (as `length` counts it; a full table covers any length), then the growth, all or nothing
+        cap, cover, wants = self._cap, UNBOUNDED, []
         for pool, ahead in self._pools:
-            missing = -(-min(length + ahead, self._cap) // pool.block_size) - len(pool.held[slot])
+            held = len(pool.held[slot])
+            missing = -(-min(length + ahead, cap) // pool.block_size) - held
             if missing > 0:
                 if missing > pool.num_available:
                     return False
-                wants = (wants or []) + [(pool, missing)]
-        for pool, missing in wants or ():
+                wants.append((pool, missing))
+                held += missing
+            covered = held * pool.block_size
+            if covered < cap and covered - ahead < cover:
+                cover = covered - ahead
+        for pool, missing in wants:
             pool.grow(slot, missing)
-        # what the blocks now cover, as `length` counts it (a full table covers any length)
-        s.blocks_cover = min(covered - ahead if covered < self._cap else UNBOUNDED
-                             for pool, ahead in self._pools
-                             for covered in (len(pool.held[slot]) * pool.block_size,))
+        s.blocks_cover = cover
         return True
 
     def _covered(self, s: RequestState) -> bool:
@@ -545,6 +561,11 @@ class Scheduler:
         """Drop done requests from the batches; -> the aborted ones, finished now."""
         aborted = []
         for b, batch in enumerate(self.batches):
+            for s in batch:
+                if s.done:
+                    break
+            else:
+                continue   # most steps retire nobody
             keep = []
             for s in batch:
                 if s.request.finished:
@@ -726,6 +747,8 @@ class Scheduler:
         back to back while nothing does (nothing to stall), until one completes a prompt, whose verify then
         carries the next chunk along. -> the one that may ride in the first verify's launch (fuse_prefill), sized
         to what that verify leaves of the budget; None when none may."""
+        if not self.unprefilled:
+            return None
         # decoding: a verify in flight, or a started request that will ride one (this call's, or its next)
         decoding = any(self.queued) or any(s.ready and not s.done for batch in self.batches for s in batch)
         fusing = decoding and self.config.fuse_prefill and self.config.prefill_budget is not None
@@ -855,14 +878,14 @@ class Scheduler:
                      ) -> VerifyPlan | None:
         """Batch b's next verify (and the rounds it takes and is followed by); None when no member can ride.
         carry: a prefill planned in this call that may ride in its launch (fused) where the budget holds both."""
-        # only requests whose whole prompt is planned ride (their chunks run before this verify)
-        if self.depth > 1:   # everything the step needs is in the verifier's slot state
-            rows = [s for s in self.batches[b] if s.ready]
-        else:   # a request rides when its state is committed, or only its prefill is ahead of it
-            rows = [s for s in self.batches[b] if s.ready and s.inflight == s.prefill_tasks]
-        # and when it has the blocks the verify writes (mostly `_grow` or its admission gave them; a second verify
-        # queued in sd and ar takes more, as does a restarted drafter's pool); without them it rides a later one
-        rows = [s for s in rows if id(s) not in self._waiting_for_blocks and self._reserve(s)]
+        # only requests whose whole prompt is planned ride (their chunks run before this verify); in sd and ar
+        # everything the step needs is in the verifier's slot state, otherwise a request rides when its state is
+        # committed, or only its prefill is ahead of it. And when it has the blocks the verify writes (mostly
+        # `_grow` or its admission gave them; a second verify queued in sd and ar takes more, as does a restarted
+        # drafter's pool); without them it rides a later one
+        any_inflight, waiting = self.depth > 1, self._waiting_for_blocks
+        rows = [s for s in self.batches[b] if s.ready and (any_inflight or s.inflight == s.prefill_tasks)
+                and (not waiting or id(s) not in waiting) and self._reserve(s)]
         regime = self.regime(b)
         fused = None
         if carry is not None:
@@ -893,24 +916,31 @@ class Scheduler:
             # request is drafted at the same positions in every mode. Riders the round drafted ahead covers
             # (nothing committed for them since it was built) take its rows; the others (new, or moved here)
             # a round of their own, drafted now
-            covered = [] if ahead is None else \
-                [s for s in rows if s.inflight == 0 and ahead.built.get(id(s), (0, None))[1] == s.last_seq]
-            if ahead is not None and not covered:
-                self.counters["draft_rows_unused"] += len(ahead.rows)
-                plan.dropped.append(ahead)
-                ahead = None
-            row_of = {id(s): ahead.built[id(s)][0] for s in covered}
+            index, missing = verify.draft_index, []   # a rider's row in the round ahead; -1: in its own round
             if ahead is not None:
-                verify.ahead = ahead
-                self.counters["drafts_ahead_used"] += 1
-                self.counters["draft_rows_unused"] += len(ahead.rows) - len(covered)
-            missing = [s for s in rows if id(s) not in row_of]
+                built = ahead.built
+                for i, s in enumerate(rows):
+                    entry = built.get(id(s)) if s.inflight == 0 else None
+                    if entry is not None and entry[1] == s.last_seq:
+                        index[i] = entry[0]
+                    else:
+                        missing.append(i)
+                if len(missing) == len(rows):   # it covers no rider
+                    self.counters["draft_rows_unused"] += len(ahead.rows)
+                    plan.dropped.append(ahead)
+                    ahead = None
+                else:
+                    verify.ahead = ahead
+                    self.counters["drafts_ahead_used"] += 1
+                    self.counters["draft_rows_unused"] += len(ahead.rows) - (len(rows) - len(missing))
+            else:
+                missing = list(range(len(rows)))
             if missing:
-                verify.fresh = DraftPlan(b, [self._fresh_row(s) for s in missing],
+                verify.fresh = DraftPlan(b, [self._fresh_row(rows[i]) for i in missing],
                                          generation=self.drafter_generation)
                 offset = len(ahead.rows) if ahead is not None else 0
-                row_of.update((id(s), offset + i) for i, s in enumerate(missing))
-            verify.draft_index = [row_of[id(s)] for s in rows]
+                for j, i in enumerate(missing):
+                    index[i] = offset + j
         for s in rows:
             s.inflight += 1
         self.queued[b] += 1
@@ -931,21 +961,27 @@ class Scheduler:
         at most its prefill and this verify gets a row: its committed tokens plus those tasks' tokens, which
         the drafter reads from their results. The chain verify -> draft -> verify then runs without waiting
         for the manager's commit; at the next verify, members not covered get a fresh round."""
-        at_verify = {id(s): row for row, s in enumerate(verify.rows)}
+        batch, draft_index = self.batches[b], verify.draft_index
+        # the verify's rows are members of the batch in its order: all of them (mostly), or a dict says which
+        at_verify = None if len(verify.rows) == len(batch) else {id(s): row for row, s in enumerate(verify.rows)}
         rows, built = [], {}
-        for s in self.batches[b]:
-            vrow = at_verify.get(id(s), -1)
+        for member, s in enumerate(batch):
+            vrow = member if at_verify is None else at_verify.get(id(s), -1)
             if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
                 continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
-            if vrow < 0 and not self._covered(s):
-                continue   # no blocks for its drafts yet (the verify left it out for that)
-            last = verify.seq if vrow >= 0 else s.prefill.seq if s.prefilling else s.last_seq
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
             # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
-            all_but_two = (vrow >= 0 and verify.draft_index[vrow] >= 0) or \
-                (s.takes_first_token and s.request.draft_valid >= s.prefill_len)
+            if vrow >= 0:
+                last, all_but_two = verify.seq, draft_index[vrow] >= 0
+            elif not self._covered(s):
+                continue   # no blocks for its drafts yet (the verify left it out for that)
+            else:
+                last, all_but_two = s.prefill.seq if s.prefilling else s.last_seq, False
+            first_token = s.takes_first_token
+            if first_token and not all_but_two:
+                all_but_two = s.request.draft_valid >= s.prefill_len
             built[id(s)] = (len(rows), last)
-            rows.append(DraftRow(s, s.prefill if s.takes_first_token else None, vrow, all_but_two))
+            rows.append(DraftRow(s, s.prefill if first_token else None, vrow, all_but_two))
         if not rows:
             return None
         return DraftPlan(b, rows, after_seq=verify.seq, generation=self.drafter_generation, built=built)
