@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 NAME = "host_overhead_cpu"
-COLUMNS = ["tree", "run", "git_sha", "host_ms_median", "manager_cpu_ms_per_step", "host_ms_mean", "host_ms_p90", "steps",
+COLUMNS = ["tree", "run", "git_sha", "prefill_chunk_tokens", "host_ms_median", "manager_cpu_ms_per_step", "host_ms_mean", "host_ms_p90", "steps",
            "step_ms_median",
            "wall_s", "load_before", "max_batch", "k", "max_tokens", "target", "draft", "device"]
 
@@ -43,8 +43,9 @@ def measure_one(args) -> dict:
     from minedraft_ray.runtime.llm import init_local_ray
 
     init_local_ray(num_gpus=2, _temp_dir=tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    chunking = {} if args.prefill_chunk_tokens is None else {"prefill_chunk_tokens": args.prefill_chunk_tokens}
     llm = LLM(args.target, args.draft, mode="psd", k=args.k, max_batch=args.max_batch, transport="object_store",
-              torch_threads=1, device="cpu", psd_low_load="psd", psd_high_load="psd")
+              torch_threads=1, device="cpu", psd_low_load="psd", psd_high_load="psd", **chunking)
     try:
         n = 2 * args.max_batch
         prompts = [[(7 * i + j) % 500 + 3 for j in range(32)] for i in range(n)]
@@ -70,11 +71,13 @@ def measure_one(args) -> dict:
         llm.shutdown()
 
 
-def run_tree(tree: Path, args) -> dict:
+def run_tree(tree: Path, args, chunk_tokens: int | None = None) -> dict:
     """One run of the tree at `tree` in a fresh process."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--max-batch", str(args.max_batch),
            "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
            "--target", args.target, "--draft", args.draft]
+    if chunk_tokens is not None:
+        cmd += ["--prefill-chunk-tokens", str(chunk_tokens)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -94,6 +97,9 @@ def main():
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="workload passes per run")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                    help="the change's per-step prefill budget (0: whole prompts, as the parent, which predates "
+                         "chunked prefill, always plans; default: the config's)")
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
@@ -112,7 +118,9 @@ def main():
         # alternate which tree goes first, so neither always runs right after the other's shutdown
         for name, tree, sha in (trees if run % 2 == 0 else trees[::-1]):
             load = os.getloadavg()[0]
-            row = {"tree": name, "run": run, "git_sha": sha, "load_before": load, **run_tree(tree, args)}
+            chunk_tokens = args.prefill_chunk_tokens if name == "change" else None
+            row = {"tree": name, "run": run, "git_sha": sha, "load_before": load, "prefill_chunk_tokens": chunk_tokens,
+                   **run_tree(tree, args, chunk_tokens)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     summary = []
