@@ -1,62 +1,69 @@
 #!/usr/bin/env bash
 # The one-H200 measurements the open issues still need (#21 parity, #22 serve vs offline, #24 real traffic), in
-# parts that each fit one device command (<= 10 min), every step under its own limit; what a step writes goes to
-# $OUT/<step>/ and its log to $OUT/<step>.log, and a step cut by its limit leaves the rest of the part running.
+# parts that each fit one device command (limits summing to <= 560 s of the 600), every step under its own limit;
+# a step writes into $OUT/<step>/ and its log to $OUT/<step>.log, and a step cut by its limit leaves the rest of
+# the part running.
 #
 #   OUT=/some/dir GIT_SHA=<sha> PARENT_SHA=bd2b7ee bash bench/gpu_pending.sh PART
 #
-# PART 1: the CUDA tests of the kernels and graphs, the fused step profile, runtime parity sd m=64.
-# PART 2: runtime parity ar m=64 and m=16 (#21: within 2 % of the parent).
-# PART 3: real traffic, ar and sd: padded vs fused vs fused with arrival order, with long prompts (#24).
-# PART 4: serve vs offline (#22): proxy vs direct ingress, max_batch 64 and 256.
+# PART 1: the CUDA tests of the kernels and graphs, the fused step profile.
+# PART 2: runtime parity sd m=64 (k=2) and ar m=16 (#21: within 2 % of the parent, same call).
+# PART 3: runtime parity ar m=64; real traffic ar: padded vs fused vs fused in arrival order, long prompts (#24).
+# PART 4: real traffic sd; serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
+# PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct; ar max_batch 256 direct (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say.
 set -u
 : "${OUT:?}" "${GIT_SHA:?}"
+OUT=$(realpath -m "$OUT")   # the parent's steps run inside .parent
 PARENT_SHA=${PARENT_SHA:-bd2b7ee}
 S=$(date +%s)
 say() { echo "[$(( $(date +%s) - S )) s] $*"; }
-step() {   # step NAME LIMIT_S CMD...: runs CMD with --out-style folder $OUT/NAME available as $DIR
+step() {   # step NAME LIMIT_S CMD...: CMD is a program (timeout runs no shell function)
     local name=$1 limit=$2; shift 2
-    DIR="$OUT/$name"; mkdir -p "$DIR"
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    mkdir -p "$OUT/$name"
+    timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     say "$name rc=$? $(tail -1 "$OUT/$name.log" | cut -c1-200)"
 }
-parent() { (cd .parent && GIT_SHA=$PARENT_SHA "$@"); }
+PARENT=(env -C .parent GIT_SHA="$PARENT_SHA")
+parity() {   # parity NAME ARGS...: the parent's run, then the change's
+    local name=$1; shift
+    step "${name}_parent" 130 "${PARENT[@]}" python -m bench.psd_vs_sd "$@" --out "$OUT/${name}_parent"
+    step "${name}_change" 130 python -m bench.psd_vs_sd "$@" --out "$OUT/${name}_change"
+}
+serve_pair() {   # serve_pair NAME ARGS...: through Serve's proxy (2 ingress replicas), then direct (1)
+    local name=$1; shift
+    step "${name}_proxy" 130 python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
+      --ingress-replicas 2 --ingress-http proxy --label proxy --out "$OUT/${name}_proxy"
+    step "${name}_direct" 130 python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
+      --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/${name}_direct"
+}
 
 case "${1:?PART}" in
 1)
   step cuda_kernels 120 python -m pytest -q -p no:cacheprovider tests/test_attention_triton.py -k cuda
-  step cuda_graphs 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_fused_step.py
-  step fused_profile 120 python -m bench.fused_step_profile --batches 32 --chunks 0,64,128,256 \
+  step cuda_graphs 180 python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_fused_step.py
+  step fused_profile 150 python -m bench.fused_step_profile --batches 32 --chunks 0,64,128,256 \
     --chunk-starts 0,1024,2816 --kernel-chunks 64,128,512 --out "$OUT/fused_profile"
-  step parity_sd64_parent 140 parent python -m bench.psd_vs_sd --mode sd --m 64 --ks 2 --alphas 0.8 \
-    --out "$OUT/parity_sd64_parent"
-  step parity_sd64_change 140 python -m bench.psd_vs_sd --mode sd --m 64 --ks 2 --alphas 0.8 \
-    --out "$OUT/parity_sd64_change"
   ;;
 2)
-  for m in 64 16; do
-    step "parity_ar${m}_parent" 140 parent python -m bench.psd_vs_sd --mode ar --m "$m" --out "$OUT/parity_ar${m}_parent"
-    step "parity_ar${m}_change" 140 python -m bench.psd_vs_sd --mode ar --m "$m" --out "$OUT/parity_ar${m}_change"
-  done
+  parity parity_sd64 --mode sd --m 64 --ks 2 --alphas 0.8
+  parity parity_ar16 --mode ar --m 16
   ;;
 3)
+  parity parity_ar64 --mode ar --m 64
   step real_traffic_ar 280 python -m bench.real_traffic --modes ar --engines padded,fused:256,fused_arrival:256 \
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_ar"
-  step real_traffic_sd 280 python -m bench.real_traffic --modes sd --engines padded,fused:256,fused_arrival:256 \
-    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd"
   ;;
 4)
-  for http in proxy direct; do
-    replicas=$([ "$http" = proxy ] && echo 2 || echo 1)
-    step "serve_ar64_$http" 140 python -m bench.serve_vs_offline --mode ar --max-batch 64 --loads '' \
-      --ingress-cpus 1 --ingress-replicas "$replicas" --ingress-http "$http" --label "$http" --out "$OUT/serve_ar64_$http"
-    step "serve_sd64_$http" 140 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 64 --loads '' \
-      --ingress-cpus 1 --ingress-replicas "$replicas" --ingress-http "$http" --label "$http" --out "$OUT/serve_sd64_$http"
-  done
+  step real_traffic_sd 280 python -m bench.real_traffic --modes sd --engines padded,fused:256,fused_arrival:256 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd"
+  serve_pair serve_ar64 --mode ar --max-batch 64
+  ;;
+5)
+  serve_pair serve_sd64 --mode sd --k 2 --max-batch 64
   step serve_ar256_direct 150 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_ar256_direct"
   ;;
-*) echo "PART is 1-4" >&2; exit 2 ;;
+*) echo "PART is 1-5" >&2; exit 2 ;;
 esac

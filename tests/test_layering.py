@@ -43,7 +43,7 @@ TORCH_FREE = ["minedraft_ray.serve.app", "minedraft_ray.serve.streams"]
 def run_fresh(code: str, *args: str) -> str:
     """stdout of `code` run by a new interpreter (sys.argv[1:] = args)."""
     return subprocess.run([sys.executable, "-c", code, *args], cwd=PACKAGE.parent, capture_output=True, text=True,
-                          check=True).stdout
+                          check=True, timeout=120).stdout
 
 
 def torch_modules(names) -> list[str]:
