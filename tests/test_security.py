@@ -297,14 +297,15 @@ def stall_by_a_big_body(url: str, size: int) -> float:
 @pytest.mark.parametrize("size", [DEFAULT_BODY_LIMIT - 1000, 10_000_000], ids=["just-under-the-default-limit", "10MB"])
 def test_a_big_body_does_not_stall_running_streams(url, size):
     """A body just under the default limit, and a 10 MB one (this app's limit is raised), cost a running
-    stream <= 100 ms. Best of three: under `make test` another worker shares the two cores and can add a stall
-    of its own; a body tokenized on the event loop stalls the stream every time."""
+    stream <= 250 ms. Best of three: under `make test` another worker shares the two cores and can add a stall
+    of its own (100-340 ms seen in idle full runs); a body tokenized on the event loop stalls the stream every
+    time, by its whole tokenization."""
     stalls = []
     for _ in range(3):
         stalls.append(stall_by_a_big_body(url, size))
-        if stalls[-1] <= 0.1:
+        if stalls[-1] <= 0.25:
             return
-    pytest.fail(f"every try stalled the running stream by more than 100 ms: {stalls}")
+    pytest.fail(f"every try stalled the running stream by more than 250 ms: {stalls}")
 
 
 # ---------------------------------------------------------------- clean failures: 429, Serve's own 503
