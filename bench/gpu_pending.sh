@@ -9,10 +9,11 @@
 # PART 1: the CUDA tests of the kernels and graphs, the fused step profile.
 # PART 2: runtime parity sd m=64 (k=2) and ar m=16 (#21: within 2 % of the parent, same call).
 # PART 3: runtime parity ar m=64; real traffic ar: padded vs fused vs fused in arrival order, long prompts (#24).
-# PART 4: real traffic sd; serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
-# PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct; ar max_batch 256 direct (#22).
+# PART 4: real traffic sd (padded, fused); serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
+# PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct (200 s each: sd's offline run and app start take ~110 s); ar max_batch 256 direct (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
-# the call). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say.
+# the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
+# or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say.
 set -u
 : "${OUT:?}" "${GIT_SHA:?}"
 OUT=$(realpath -m "$OUT")   # the parent's steps run inside .parent
@@ -31,11 +32,11 @@ parity() {   # parity NAME ARGS...: the parent's run, then the change's
     step "${name}_parent" 130 "${PARENT[@]}" python -m bench.psd_vs_sd "$@" --out "$OUT/${name}_parent"
     step "${name}_change" 130 python -m bench.psd_vs_sd "$@" --out "$OUT/${name}_change"
 }
-serve_pair() {   # serve_pair NAME ARGS...: through Serve's proxy (2 ingress replicas), then direct (1)
-    local name=$1; shift
-    step "${name}_proxy" 130 python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
+serve_pair() {   # serve_pair NAME LIMIT ARGS...: through Serve's proxy (2 ingress replicas), then direct (1)
+    local name=$1 limit=$2; shift 2
+    step "${name}_proxy" "$limit" python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
       --ingress-replicas 2 --ingress-http proxy --label proxy --out "$OUT/${name}_proxy"
-    step "${name}_direct" 130 python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
+    step "${name}_direct" "$limit" python -m bench.serve_vs_offline "$@" --loads '' --ingress-cpus 1 \
       --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/${name}_direct"
 }
 
@@ -56,14 +57,17 @@ case "${1:?PART}" in
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_ar"
   ;;
 4)
-  step real_traffic_sd 280 python -m bench.real_traffic --modes sd --engines padded,fused:256,fused_arrival:256 \
+  step real_traffic_sd 280 python -m bench.real_traffic --modes sd --engines padded,fused:256 \
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd"
-  serve_pair serve_ar64 --mode ar --max-batch 64
+  serve_pair serve_ar64 130 --mode ar --max-batch 64
   ;;
 5)
-  serve_pair serve_sd64 --mode sd --k 2 --max-batch 64
+  serve_pair serve_sd64 200 --mode sd --k 2 --max-batch 64
   step serve_ar256_direct 150 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_ar256_direct"
   ;;
 *) echo "PART is 1-5" >&2; exit 2 ;;
 esac
+# the device hands back only a few files per call: everything goes back as one archive
+tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
+
