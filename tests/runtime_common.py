@@ -3,7 +3,7 @@ import time
 
 import ray
 
-from minedraft_ray.engine.kv_cache import TableEdits
+from minedraft_ray.engine.kv_blocks import TableEdits
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime.scheduler import KVPoolSpec, PlannedBlocks
 from minedraft_ray.testing.channel import wildcard_listeners

@@ -277,9 +277,10 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     slot state follows the committed tokens."""
     import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, SpecWorker,
-                                               VerifierResult, WorkerConfig, shared_vocab)
+    from minedraft_ray.engine.request import DraftRow
+    from minedraft_ray.runtime.messages import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, VerifierResult,
+                                                WorkerConfig)
+    from minedraft_ray.runtime.workers import SpecWorker, shared_vocab
 
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                           device="cpu", torch_threads=1, draft_temperature=draft_temperature)
@@ -323,8 +324,9 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, KVEdits, PrefillRow, PrefillTask,
-                                               VerifierResult, WorkerConfig, shared_vocab)
+    from minedraft_ray.runtime.messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, VerifierResult,
+                                                WorkerConfig)
+    from minedraft_ray.runtime.workers import DrafterWorker, shared_vocab
 
     k = 3
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,

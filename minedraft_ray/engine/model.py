@@ -16,7 +16,8 @@ from torch import nn
 
 from .attention import DecodeRows, attend, attend_packed, triton_op, write_kv
 from .hf_config import as_ids, eos_token_ids, read_hf_config
-from .kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM, KVCache
+from .kv_blocks import DEFAULT_BLOCK_SIZE, HEADROOM
+from .kv_cache import KVCache
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -14,7 +14,8 @@ from ..config import EngineConfig
 from .placement import actor_options, create_placement_group
 from .rendezvous import Rendezvous
 from .transport import DraftChannel
-from .workers import TargetRank, WorkerConfig, WorkerSet
+from .messages import WorkerConfig
+from .workers import TargetRank, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 

@@ -17,7 +17,7 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
-from ..engine.engine import GenerationOutput
+from ..engine.request import GenerationOutput
 from ..engine.sampling import SamplingParams
 from .manager import BatchManager, EngineDeadError, StepOutput
 from .placement import create_placement_group

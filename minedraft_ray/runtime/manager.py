@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
-from ..engine.engine import commit_tokens, default_device, draft_rows
-from ..engine.kv_cache import CacheSizeError
+from ..engine.engine import default_device
+from ..engine.kv_blocks import CacheSizeError
 from ..engine.model import ModelConfig
 from ..engine.presets import resolve_model
-from ..engine.request import Request
+from ..engine.request import Request, commit_tokens, draft_rows
 from ..engine.sampling import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
@@ -43,8 +43,9 @@ from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
-                      VerifyTask, WorkerSet)
+from .messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
+                       VerifyTask)
+from .workers import WorkerSet
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]

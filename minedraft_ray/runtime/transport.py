@@ -28,7 +28,8 @@ import uuid
 import ray
 
 from .ray_collective import CONCURRENCY_GROUP, ChannelEnd, ChannelSpec, backend_for, close_end, open_end
-from .workers import DraftRound, LinkRound, LinkTokens, WorkerSet
+from .messages import DraftRound, LinkRound, LinkTokens
+from .workers import WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
