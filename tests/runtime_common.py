@@ -40,11 +40,19 @@ def settled(llm, timeout_s=10.0) -> dict:
     return info
 
 
+def manager_imported_torch(llm) -> bool:
+    """Whether the manager actor's process has imported torch (it must not: tests/test_layering.py)."""
+    def loaded(_):   # run in the manager's process (a local function travels by value)
+        import sys
+        return "torch" in sys.modules
+    return ray.get(llm.manager.__ray_call__.remote(loaded))
+
+
 def links_in_flight(llm) -> dict:
     """The collective channel: messages each end of the link sent (or drains it posted) not yet taken."""
     def count(self):
         m = self.manager
-        return {name: ray.get(actor.__ray_call__.remote(lambda w: w.link.in_flight))
+        return {name: ray.get(actor.__ray_call__.remote(lambda a: a.worker.link.in_flight))
                 for name, actor in (("verifier", m.verifier), ("drafter", m.drafter))}
     return ray.get(llm.manager.__ray_call__.remote(count))
 

@@ -12,8 +12,8 @@ from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
 from engines import TINY_PSD, TINY_SD
 from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
-                            links_in_flight, links_listening_everywhere, reconfigure_when_idle, settled,
-                            whole_tables)
+                            links_in_flight, links_listening_everywhere, manager_imported_torch, reconfigure_when_idle,
+                            settled, whole_tables)
 
 
 def test_make_bundles():
@@ -105,6 +105,7 @@ def test_greedy_modes_equal_ar(shared_engines, tiny_llama, tiny_llama_draft, ref
         else:
             assert info["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
+        assert not manager_imported_torch(llm)   # it keeps books; the workers own the tensors
         if transport in ("collective", "ray_collective"):   # every message was taken (rounds nobody named, drained)
             deadline = time.time() + 5
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
@@ -146,7 +147,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
         settled(llm)   # sd and ar keep a step queued behind the last one: let it run before counting
         numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.sched.tasks_numbered))
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
-        launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
+        launched = ray.get(verifier.__ray_call__.remote(lambda a: a.worker.order.next_seq))
         assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
         assert llm.info()["fused_prefills"] > 0   # fused verifies take their prefill's number: none skipped
         if mode == "psd":
@@ -154,7 +155,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
             # the drafter follows the verifier's overlap: threaded too, its tasks launched once each, in order
             drafter_numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.drafter_seq))
             drafter = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.drafter))
-            drafter_launched = ray.get(drafter.__ray_call__.remote(lambda self: self.order.next_seq))
+            drafter_launched = ray.get(drafter.__ray_call__.remote(lambda a: a.worker.order.next_seq))
             assert drafter_launched == drafter_numbered > len(PROMPTS) // 3, (drafter_launched, drafter_numbered)
     finally:
         llm.shutdown()

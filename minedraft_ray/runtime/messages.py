@@ -291,3 +291,22 @@ class WorkerConfig:
     settings: dict                # EngineConfig.model_dump()
     vocab_limit: int | None       # ids both models may emit; None without a drafter
 
+
+# ---- the ray_collective channel (runtime/ray_collective.py) ----------------------------------------------------
+GLOO_PAIR = "MINEDRAFT_GLOO_PAIR"   # the CPU backend's name in Ray's registry
+NCCL = "NCCL"
+
+
+def backend_for(device: str) -> str:
+    return NCCL if device.startswith("cuda") else GLOO_PAIR
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """One drafter generation's channel, as the manager describes it to both ends."""
+    name: str          # unique per engine and generation; its groups are `<name>-drafts` and `<name>-tokens`
+    generation: int
+    backend: str       # NCCL or GLOO_PAIR
+
+    def group(self, direction: str) -> str:
+        return f"{self.name}-{direction}"

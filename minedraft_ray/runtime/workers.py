@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,10 +29,12 @@ from ..engine.runner import PREFILL_TOKEN_BUDGET, ModelRunner, to_device, to_hos
 from ..engine.sampling import SamplingBatch, SamplingParams
 from ..engine.request import DraftRow
 from ..engine.spec import Drafter, PromptChunks, Verifier, VerifyResult
+from .gcs_store import GcsStore
 from .link import PeerLink
-from .messages import (GREEDY_ROW, DraftRound, KVEdits, LinkRound, LinkTokens, PrefillRow, PrefillTask, SamplingRow,
-                       SpecStep, VerifierResult, VerifyTask, WorkerConfig)
-from .rendezvous import GcsStore, Rendezvous, fresh_prefix
+from .messages import (GREEDY_ROW, ChannelSpec, DraftRound, KVEdits, LinkRound, LinkTokens, PrefillRow, PrefillTask,
+                       SamplingRow, SpecStep, VerifierResult, VerifyTask, WorkerConfig)
+from .ray_collective import ChannelEnd, close_end, open_end
+from .rendezvous import Rendezvous, fresh_prefix
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -171,7 +172,7 @@ class _Worker:
         """The target, or at tp > 1 this rank's shard of it, in the group met at `group`."""
         if self.config.tp == 1:
             return load_model(self.target_dir, self.device, self.dtype)
-        self.tp = TensorParallel.connect(group.join(), rank, self.config.tp, self.device, _node_ip(),
+        self.tp = TensorParallel.connect(GcsStore.of(group), rank, self.config.tp, self.device, _node_ip(),
                                          self.config.step_timeout_s)
         return load_model(self.target_dir, self.device, self.dtype, tp=self.tp)
 
@@ -355,6 +356,15 @@ class VerifierWorker(_Worker):
                     link.drain((round_.rows, round_.k, self._probs_width), torch.float32, 2 * round_.key + 1)
         except Exception:  # noqa: BLE001 - the drafter died: its round will not come
             pass
+
+    def open_channel_end(self, spec: ChannelSpec) -> None:
+        """The ray_collective channel: the verifier's end of `spec` (its drafter opens the other end meanwhile)."""
+        open_end(self, spec, ChannelEnd.VERIFIER)
+
+    def close_channel_end(self, generation: int, reason: str) -> None:
+        """The ray_collective channel: the drafter of `generation` is gone; a verify waiting for its drafts runs
+        without them."""
+        close_end(self, generation, reason)
 
     def _take_drafts(self, rounds) -> dict | None:
         """The rounds a verify names -> their drafts, rows concatenated in order, as {"ids", "probs"}; None
@@ -605,6 +615,10 @@ class DrafterWorker(_Worker):
         except Exception:  # noqa: BLE001 - the link is down: those tokens will not come
             pass
 
+    def open_channel_end(self, spec: ChannelSpec) -> None:
+        """The ray_collective channel: the drafter's end of `spec` (its verifier opens the other end meanwhile)."""
+        open_end(self, spec, ChannelEnd.DRAFTER)
+
     def draft_over(self, key: list, round_: list, *sources) -> float:
         """The collective channel: draft (as `_draft`) and send the round over the link under `key` -> device
         ms (both in their wire forms: a LinkRound, a DraftRound). Should the round fail here, the manager replaces
@@ -680,15 +694,3 @@ class TargetRank(_Worker):
         """Run rank 0's calls until it stops (-> this rank) or the group breaks (raises: rank 0 or a peer died)."""
         self.runner.follow()
         return self.rank
-
-
-@dataclass(frozen=True)
-class WorkerSet:
-    """The worker classes an engine starts, and extra constructor arguments per role. Serving always uses the
-    default; tests and benchmarks pass subclasses from minedraft_ray.testing.workers (faults, synthetic
-    acceptance, recording), which the HTTP server cannot name."""
-    verifier: type = VerifierWorker
-    drafter: type = DrafterWorker
-    spec: type = SpecWorker
-    verifier_kwargs: dict = field(default_factory=dict)   # for the verifier and the spec worker
-    drafter_kwargs: dict = field(default_factory=dict)
