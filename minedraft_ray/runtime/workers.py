@@ -1,5 +1,6 @@
-"""GPU actors. Each wraps the engine layer (one device, no Ray inside) and speaks in small
-host-side messages: slot ids, token ids, counts. Only the draft channel carries tensors.
+"""The workers of the GPU actors (runtime/actors.py: each actor builds its worker in its own process and hands it the
+manager's calls). Each wraps the engine layer (one device, no Ray inside) and speaks in small host-side messages
+(runtime/messages.py): slot ids, token ids, counts. Only the draft channel carries tensors.
 
 The torch device is picked here, not by the placement group: Ray sets CUDA_VISIBLE_DEVICES for
 an actor holding a GPU bundle, and on a CPU cluster with logical GPUs the same code runs on CPU.
