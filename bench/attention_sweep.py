@@ -62,7 +62,7 @@ def short(config) -> str:
 def make_inputs(shape: dict, qlen: int, device: torch.device):
     """Paged cache (blocks of the default size, each slot's scattered over the pool), queries, slots (a random
     half of them, out of order) and positions at the shape's context."""
-    from minedraft_ray.engine.kv_cache import DEFAULT_BLOCK_SIZE, HEADROOM
+    from minedraft_ray.engine.kv_blocks import DEFAULT_BLOCK_SIZE, HEADROOM
 
     torch.manual_seed(qlen)
     per_slot = -(-(shape["max_len"] + HEADROOM) // DEFAULT_BLOCK_SIZE)

@@ -30,9 +30,9 @@ COLUMNS = ["measure", "message", "form", "us", "msgpack_only", "bytes", "batch",
 
 def messages(batch: int, k: int):
     """Typical per-step messages of a psd step at `batch` rows per batch."""
-    from minedraft_ray.engine.kv_cache import TableEdits
-    from minedraft_ray.runtime.workers import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow,
-                                               VerifierResult, VerifyTask)
+    from minedraft_ray.engine.kv_blocks import TableEdits
+    from minedraft_ray.runtime.messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow,
+                                                VerifierResult, VerifyTask)
     slots = list(range(batch))
     edits = KVEdits(target=TableEdits([3, 9], [4, 4], [120, 121]))
     draft_edits = KVEdits(draft=TableEdits([3, 9], [4, 4], [80, 81]))

@@ -41,7 +41,7 @@ from bench.common import command_line, device_name, git_sha, markdown_table, say
 from bench.engine_speed import time_engine
 from bench.real_traffic import Requests, Workload
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.kv_cache import HEADROOM, BlocksExhaustedError
+from minedraft_ray.engine.kv_blocks import HEADROOM, BlocksExhaustedError
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.presets import resolve_model
 from minedraft_ray.engine.runner import ModelRunner

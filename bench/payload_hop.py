@@ -31,9 +31,11 @@ import ray
 import torch
 
 from bench.common import command_line, git_sha, write_results
+from minedraft_ray.runtime.gcs_store import GcsStore
 from minedraft_ray.runtime.link import PeerLink
-from minedraft_ray.runtime.rendezvous import GcsStore, fresh_prefix
-from minedraft_ray.runtime.ray_collective import ChannelEnd, ChannelSpec, backend_for
+from minedraft_ray.runtime.messages import ChannelSpec, backend_for
+from minedraft_ray.runtime.ray_collective import ChannelEnd
+from minedraft_ray.runtime.rendezvous import fresh_prefix
 
 LINK_TAGS = itertools.count()   # one tag per message over the link
 CONTAINERS = {"torch": lambda t: t, "numpy": lambda t: t.numpy(), "list": lambda t: t.tolist()}

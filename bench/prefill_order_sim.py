@@ -28,9 +28,8 @@ from pathlib import Path
 from bench.common import command_line, fmt, git_sha, say, write_results
 from bench.psd_vs_sd import poisson_arrivals
 from bench.real_traffic import TAIL_IDS, Requests, Trace, Workload, long_arrivals, online_stats
-from minedraft_ray.engine.engine import commit_tokens
-from minedraft_ray.engine.kv_cache import HEADROOM
-from minedraft_ray.engine.request import Request
+from minedraft_ray.engine.kv_blocks import HEADROOM
+from minedraft_ray.engine.request import Request, commit_tokens
 from minedraft_ray.runtime.scheduler import (KVPoolSpec, PrefillOrder, PrefillPlan, RequestState, Scheduler,
                                              SchedulerConfig, VerifyPlan)
 

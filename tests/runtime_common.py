@@ -3,7 +3,7 @@ import time
 
 import ray
 
-from minedraft_ray.engine.kv_cache import TableEdits
+from minedraft_ray.engine.kv_blocks import TableEdits
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime.scheduler import KVPoolSpec, PlannedBlocks
 from minedraft_ray.testing.channel import wildcard_listeners
@@ -40,11 +40,19 @@ def settled(llm, timeout_s=10.0) -> dict:
     return info
 
 
+def manager_imported_torch(llm) -> bool:
+    """Whether the manager actor's process has imported torch (it must not: tests/test_layering.py)."""
+    def loaded(_):   # run in the manager's process (a local function travels by value)
+        import sys
+        return "torch" in sys.modules
+    return ray.get(llm.manager.__ray_call__.remote(loaded))
+
+
 def links_in_flight(llm) -> dict:
     """The collective channel: messages each end of the link sent (or drains it posted) not yet taken."""
     def count(self):
         m = self.manager
-        return {name: ray.get(actor.__ray_call__.remote(lambda w: w.link.in_flight))
+        return {name: ray.get(actor.__ray_call__.remote(lambda a: a.worker.link.in_flight))
                 for name, actor in (("verifier", m.verifier), ("drafter", m.drafter))}
     return ray.get(llm.manager.__ray_call__.remote(count))
 

@@ -9,7 +9,7 @@ import torch
 from packaging.version import Version
 
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.kv_cache import SlotAllocator, SlotsExhaustedError
+from minedraft_ray.engine.kv_blocks import SlotAllocator, SlotsExhaustedError
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams, process_logits
 from stats import chi_square_pvalue

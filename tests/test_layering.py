@@ -1,6 +1,7 @@
 """Production code never imports the test helpers (minedraft_ray/testing): an installed server must not depend
 on code that exists for tests (checked on the source, without importing anything). The processes that run no model
-(the Serve ingress, the stream mailbox) start without torch (checked in fresh interpreters)."""
+(the Serve ingress, the stream mailbox, the batch manager's: the LLM's actor and the Serve engine replica) start
+without torch (checked in fresh interpreters)."""
 import ast
 import json
 import shutil
@@ -50,12 +51,54 @@ def torch_modules(names) -> list[str]:
     return sorted(n for n in names if n == "torch" or n.startswith("torch."))
 
 
-@pytest.mark.parametrize("module", TORCH_FREE)
-def test_ingress_side_modules_import_without_torch(module):
+def imported_by(module: str) -> list[str]:
+    """Every module a fresh interpreter holds after importing `module`."""
     imported = run_fresh("import importlib, sys\nimportlib.import_module(sys.argv[1])\nprint(*sys.modules)",
                          module).split()
     assert module in imported
+    return imported
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_ingress_side_modules_import_without_torch(module):
+    assert not torch_modules(imported_by(module))
+
+
+# what the batch manager's processes import: the LLM's manager actor (runtime/llm.py, whose ManagerActor Ray pickles
+# by reference) and the Serve engine replica. They keep books and drive the worker actors, which own the tensors;
+# torch's import cost each of them about a CPU-second at start (the suite starts dozens)
+MANAGER_SIDE = ["minedraft_ray.runtime.manager", "minedraft_ray.runtime.scheduler", "minedraft_ray.runtime.llm",
+                "minedraft_ray.serve.engine_replica"]
+
+
+@pytest.mark.parametrize("module", MANAGER_SIDE)
+def test_manager_side_modules_import_without_torch(module):
+    imported = imported_by(module)
     assert not torch_modules(imported)
+    assert "transformers" not in imported   # the driver checks the pair and loads the tokenizer, not the manager
+
+
+def test_the_manager_names_worker_calls_the_workers_have():
+    """The actor classes the manager starts (runtime/actors.py, no torch) hand each call to the worker of the same
+    name: every call of theirs is a method of the default worker they run."""
+    from minedraft_ray.runtime import actors
+
+    roles = {actors.VerifierActor: actors.WorkerSet().verifier, actors.SpecActor: actors.WorkerSet().spec,
+             actors.DrafterActor: actors.WorkerSet().drafter, actors.TargetRankActor: actors.TARGET_RANK}
+    for actor, path in roles.items():
+        worker = actors.import_class(path)
+        calls = [name for name in dir(actor) if not name.startswith("_")]
+        assert "ready" in calls and all(callable(getattr(worker, name, None)) for name in calls), (actor, path)
+
+
+def test_the_managers_cuda_check_is_torchs():
+    """The manager picks its GPU defaults without torch (engine/devices.py); torch would answer the same."""
+    import torch
+
+    from minedraft_ray.engine.devices import cuda_available, torch_built_with_cuda
+
+    assert torch_built_with_cuda() == (torch.version.cuda is not None)
+    assert cuda_available() == torch.cuda.is_available()
 
 
 LOAD_AS_THE_INGRESS = """

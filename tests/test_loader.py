@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from minedraft_ray.engine.hf_config import UnsupportedArchitectureError
 from minedraft_ray.engine.loader import CheckpointError, IncompatiblePairError, check_pair, load_model
-from minedraft_ray.engine.model import ModelConfig, UnsupportedArchitectureError
+from minedraft_ray.engine.model import ModelConfig
 from minedraft_ray.testing.tiny import make_tiny_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

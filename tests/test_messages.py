@@ -6,9 +6,9 @@ import dataclasses
 import msgpack
 import pytest
 
-from minedraft_ray.engine.kv_cache import TableEdits
-from minedraft_ray.runtime.workers import (DraftRound, KVEdits, LinkRound, LinkTokens, PrefillRow, PrefillTask,
-                                           SamplingRow, SlotResume, SpecStep, VerifierResult, VerifyTask)
+from minedraft_ray.engine.kv_blocks import TableEdits
+from minedraft_ray.runtime.messages import (DraftRound, KVEdits, LinkRound, LinkTokens, PrefillRow, PrefillTask,
+                                            SamplingRow, SlotResume, SpecStep, VerifierResult, VerifyTask)
 
 EDITS = TableEdits([0, 3, 3], [1, 0, 7], [12, 5, 9])
 SAMPLING = SamplingRow(0.7, 0.9, 40, 2**62 + 5)

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.kv_cache import NULL_BLOCK, BlocksExhaustedError, KVCache
+from minedraft_ray.engine.kv_blocks import NULL_BLOCK, BlocksExhaustedError
+from minedraft_ray.engine.kv_cache import KVCache
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.sampling import SamplingParams
 

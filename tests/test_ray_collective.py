@@ -8,8 +8,9 @@ import time
 
 import ray
 
-from minedraft_ray.runtime.ray_collective import CONCURRENCY_GROUP, GLOO_PAIR, ChannelEnd, ChannelSpec
-from minedraft_ray.runtime.transport import RayCollectiveChannel
+from minedraft_ray.runtime.messages import GLOO_PAIR, ChannelSpec
+from minedraft_ray.runtime.ray_collective import ChannelEnd
+from minedraft_ray.runtime.transport import CONCURRENCY_GROUP, RayCollectiveChannel
 from minedraft_ray.testing.channel import TIMEOUT_S, End
 
 

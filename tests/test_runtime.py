@@ -12,8 +12,8 @@ from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
 from engines import TINY_PSD, TINY_SD
 from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
-                            links_in_flight, links_listening_everywhere, reconfigure_when_idle, settled,
-                            whole_tables)
+                            links_in_flight, links_listening_everywhere, manager_imported_torch, reconfigure_when_idle,
+                            settled, whole_tables)
 
 
 def test_make_bundles():
@@ -105,6 +105,7 @@ def test_greedy_modes_equal_ar(shared_engines, tiny_llama, tiny_llama_draft, ref
         else:
             assert info["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
+        assert not manager_imported_torch(llm)   # it keeps books; the workers own the tensors
         if transport in ("collective", "ray_collective"):   # every message was taken (rounds nobody named, drained)
             deadline = time.time() + 5
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
@@ -146,7 +147,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
         settled(llm)   # sd and ar keep a step queued behind the last one: let it run before counting
         numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.sched.tasks_numbered))
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
-        launched = ray.get(verifier.__ray_call__.remote(lambda self: self.order.next_seq))
+        launched = ray.get(verifier.__ray_call__.remote(lambda a: a.worker.order.next_seq))
         assert launched == numbered > len(PROMPTS) // 3, (launched, numbered)
         assert llm.info()["fused_prefills"] > 0   # fused verifies take their prefill's number: none skipped
         if mode == "psd":
@@ -154,7 +155,7 @@ def test_verifier_overlap_keeps_output_and_launch_order(ray_cluster, tiny_llama,
             # the drafter follows the verifier's overlap: threaded too, its tasks launched once each, in order
             drafter_numbered = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.drafter_seq))
             drafter = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.drafter))
-            drafter_launched = ray.get(drafter.__ray_call__.remote(lambda self: self.order.next_seq))
+            drafter_launched = ray.get(drafter.__ray_call__.remote(lambda a: a.worker.order.next_seq))
             assert drafter_launched == drafter_numbered > len(PROMPTS) // 3, (drafter_launched, drafter_numbered)
     finally:
         llm.shutdown()
@@ -277,9 +278,10 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     slot state follows the committed tokens."""
     import torch
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.engine.spec import DraftRow
-    from minedraft_ray.runtime.workers import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, SpecWorker,
-                                               VerifierResult, WorkerConfig, shared_vocab)
+    from minedraft_ray.engine.request import DraftRow
+    from minedraft_ray.runtime.messages import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, VerifierResult,
+                                                WorkerConfig)
+    from minedraft_ray.runtime.workers import SpecWorker, shared_vocab
 
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                           device="cpu", torch_threads=1, draft_temperature=draft_temperature)
@@ -323,8 +325,9 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
-    from minedraft_ray.runtime.workers import (DraftRound, DrafterWorker, KVEdits, PrefillRow, PrefillTask,
-                                               VerifierResult, WorkerConfig, shared_vocab)
+    from minedraft_ray.runtime.messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, VerifierResult,
+                                                WorkerConfig)
+    from minedraft_ray.runtime.workers import DrafterWorker, shared_vocab
 
     k = 3
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,

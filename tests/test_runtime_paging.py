@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from minedraft_ray.engine.engine import Engine
-from minedraft_ray.engine.kv_cache import HEADROOM
+from minedraft_ray.engine.kv_blocks import HEADROOM
 from minedraft_ray.engine.request import Request
 from minedraft_ray.runtime import LLM
 from minedraft_ray.runtime.scheduler import KVRole, RequestState

@@ -40,10 +40,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minedraft_ray.engine.engine import commit_tokens
-from minedraft_ray.engine.request import Request
+from minedraft_ray.engine.kv_blocks import HEADROOM, NULL_BLOCK
+from minedraft_ray.engine.request import Request, commit_tokens
 from minedraft_ray.engine.sampling import SamplingParams
-from minedraft_ray.engine.kv_cache import HEADROOM, NULL_BLOCK
 from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState,
                                              Scheduler, SchedulerConfig, Status, VerifyPlan)
 

@@ -102,8 +102,9 @@ def test_models_and_health(server, client):
 
 
 def test_the_ingress_and_the_mailbox_run_without_torch(server, tok):
-    """The ingress replicas and an engine replica's stream mailbox run no model: their processes never import torch
-    (a second of CPU at each start). tests/test_layering.py checks their modules; this, the running processes."""
+    """The ingress replicas, an engine replica's stream mailbox and the engine replica itself (the batch manager)
+    run no model: their processes never import torch (a second of CPU at each start). tests/test_layering.py checks
+    their modules; this, the running processes."""
     import ray
     from ray import serve
 
@@ -115,7 +116,9 @@ def test_the_ingress_and_the_mailbox_run_without_torch(server, tok):
 
     ingress = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#OpenAIServer#" in a["name"]]
     assert ingress
-    for name in ingress:
+    engines = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#MineDraftEngine#" in a["name"]]
+    assert engines
+    for name in ingress + engines:
         assert not ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(_torch_loaded)), name
     # the mailbox is the engine replica's: a request's first item (Accepted) names it
     engine = serve.get_deployment_handle("MineDraftEngine", "minedraft")

@@ -19,7 +19,8 @@ from minedraft_ray.engine.runner import ModelRunner
 from minedraft_ray.engine.sampling import SamplingBatch, SamplingParams
 from minedraft_ray.engine.spec import Verifier
 from minedraft_ray.runtime import LLM
-from minedraft_ray.runtime.rendezvous import GcsStore, Rendezvous, fresh_prefix
+from minedraft_ray.runtime.gcs_store import GcsStore
+from minedraft_ray.runtime.rendezvous import Rendezvous, fresh_prefix
 from minedraft_ray.testing.workers import DrafterFaults, faulty_drafter
 from minedraft_ray.testing.tiny import make_tiny_model
 
@@ -348,8 +349,8 @@ def test_every_rank_holds_the_same_kv_blocks(psd_tp2):
             return {"blocks": c.num_blocks, "tables": c.block_tables.tolist(),
                     "kv_heads": (c.k[0].shape[2], cfg.num_kv_heads)}
         m = self.manager
-        return [ray.get(m.verifier.__ray_call__.remote(lambda w: layout(w.verifier.runner)))] + [
-            ray.get(rank.__ray_call__.remote(lambda w: layout(w.runner))) for rank in m.actors.ranks]
+        return [ray.get(m.verifier.__ray_call__.remote(lambda a: layout(a.worker.verifier.runner)))] + [
+            ray.get(rank.__ray_call__.remote(lambda a: layout(a.worker.runner))) for rank in m.actors.ranks]
 
     rank0, rank1 = ray.get(psd_tp2.manager.__ray_call__.remote(caches))
     assert rank0 == rank1
@@ -367,7 +368,7 @@ def test_drafter_killed_mid_run_at_tp2(psd_tp2, reference):
     to rank 0 again, while the target's ranks and their groups stay as they are."""
     manager, pids = psd_tp2.manager, _pids(psd_tp2)
     drafter = ray.get(manager.__ray_call__.remote(lambda self: self.manager.drafter))
-    ray.get(drafter.__ray_call__.remote(lambda w: setattr(w.drafter, "faults", DrafterFaults(delay_s=0.2))))
+    ray.get(drafter.__ray_call__.remote(lambda a: setattr(a.worker.drafter, "faults", DrafterFaults(delay_s=0.2))))
     before = psd_tp2.info()
     ref = manager.generate_batch.remote([psd_tp2._encode(p) for p in PROMPTS], [greedy(n) for n in LENGTHS])
     deadline = time.time() + 60
@@ -482,6 +483,6 @@ def test_ranks_meet_through_the_gcs_and_keep_their_store(ray_cluster):
         return int(tp.all_reduce(torch.ones(1))), dist.PrefixStore("device", tp.store).check(["0/0"])
 
     try:
-        assert run_ranks(2, rank, store_of=lambda r: rendezvous.join()) == [(2, True), (2, True)]
+        assert run_ranks(2, rank, store_of=lambda r: GcsStore.of(rendezvous)) == [(2, True), (2, True)]
     finally:
         rendezvous.close()

@@ -10,20 +10,19 @@ position. With `prefix_caching`, requests starting with the same tokens share th
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .kv_cache import (HEADROOM, MAX_K, BlocksExhaustedError, CacheSizeError, DEFAULT_BLOCK_SIZE, SlotAllocator,
-                       bytes_per_token)
+from .kv_blocks import HEADROOM, MAX_K, BlocksExhaustedError, CacheSizeError, DEFAULT_BLOCK_SIZE, SlotAllocator
+from .kv_cache import bytes_per_token
 from .loader import check_pair, load_model, load_tokenizer
 from .presets import resolve_model
-from .request import Request
+from .request import GenerationOutput, Request, commit_tokens, draft_rows
 from .runner import PREFILL_TOKEN_BUDGET, ModelRunner
 from .sampling import SamplingBatch, SamplingParams
-from .spec import Drafter, DraftRow, Verifier
+from .spec import Drafter, Verifier
 
 ENGINE_MODES = ("ar", "sd")
 # device memory left outside the KV pool for what is allocated after it: activations, CUDA graph pools, the
@@ -61,29 +60,8 @@ def pool_tokens(models, device: torch.device, gpu_memory_utilization: float, res
     return min(budget // per_token, bound_tokens)
 
 
-@dataclass
-class GenerationOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    stats: dict
-    logprobs: list | None = None
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def draft_rows(requests: list[Request]) -> list[DraftRow]:
-    """What the drafter must be fed for each request: everything past what its slot already holds (from the
-    start for a one-token prompt)."""
-    rows = []
-    for r in requests:
-        valid = max(0, min(r.draft_valid, r.seq_len - 2))
-        rows.append(DraftRow(r.slot, valid, r.tail(valid)))
-    return rows
 
 
 def verify_inputs(requests: list[Request], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,19 +69,6 @@ def verify_inputs(requests: list[Request], device) -> tuple[torch.Tensor, torch.
     host = torch.tensor([[r.slot, r.last_token, len(r.output_ids)] for r in requests], dtype=torch.int64)
     host = host.to(device, non_blocking=True)
     return host[:, 0], host[:, 1], host[:, 2]
-
-
-def commit_tokens(requests: list[Request], tokens: list[list[int]], logprobs: list[list[dict]] | None,
-                  num_drafts: list[int]) -> list[list[int]]:
-    """Append each row's emitted tokens to its request (cut at EOS / stop ids / max_tokens) and
-    record the step's acceptance. Returns the tokens each request kept."""
-    kept = []
-    for row, (r, toks, nd) in enumerate(zip(requests, tokens, num_drafts)):
-        r.stats.record_verify(nd, len(toks) - 1)
-        kept.append(r.append(toks, logprobs[row] if logprobs is not None else None))
-        if nd:  # the drafter's slot now matches the sequence up to seq_len - 2 (docs/design.md)
-            r.draft_valid = r.seq_len - 2
-    return kept
 
 
 class Engine:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .attention import DecodeRows
-from .kv_cache import BlocksExhaustedError, TableEdits
+from .kv_blocks import BlocksExhaustedError, TableEdits
 from .runner import ModelRunner, to_device
 
 # how long a follower waits for the leader's next call: as long as the leader lives (see above)

@@ -1,4 +1,6 @@
-"""Host-side request state: emitted tokens, where to stop, and speculative-decoding stats."""
+"""Host-side request state: emitted tokens, where to stop, and speculative-decoding stats; what a step feeds the
+drafter for a request (`draft_rows`) and how a step's tokens are committed to it (`commit_tokens`). No torch: the
+runtime's manager and scheduler run it in a process without it."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 _ids = itertools.count()
 
@@ -148,3 +150,49 @@ class TokenView:
         start, stop, step = index.indices(self.request.seq_len)
         assert step == 1, "a token view slices contiguous runs only"
         return self.request.span(start, stop)
+
+
+@dataclass
+class DraftRow:
+    """What the drafter needs for one request: its slot and the final tokens it has not cached.
+
+    `catchup` = seq[valid:] where `valid` = tokens of the sequence already in the drafter's slot
+    (at most seq_len - 2); normally the last two tokens.
+    """
+    slot: int
+    valid: int
+    catchup: list[int]
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: dict
+    logprobs: list | None = None
+
+
+def draft_rows(requests: list[Request]) -> list[DraftRow]:
+    """What the drafter must be fed for each request: everything past what its slot already holds (from the
+    start for a one-token prompt)."""
+    rows = []
+    for r in requests:
+        valid = max(0, min(r.draft_valid, r.seq_len - 2))
+        rows.append(DraftRow(r.slot, valid, r.tail(valid)))
+    return rows
+
+
+def commit_tokens(requests: list[Request], tokens: list[list[int]], logprobs: list[list[dict]] | None,
+                  num_drafts: list[int]) -> list[list[int]]:
+    """Append each row's emitted tokens to its request (cut at EOS / stop ids / max_tokens) and
+    record the step's acceptance. Returns the tokens each request kept."""
+    kept = []
+    for row, (r, toks, nd) in enumerate(zip(requests, tokens, num_drafts)):
+        r.stats.record_verify(nd, len(toks) - 1)
+        kept.append(r.append(toks, logprobs[row] if logprobs is not None else None))
+        if nd:  # the drafter's slot now matches the sequence up to seq_len - 2 (docs/design.md)
+            r.draft_valid = r.seq_len - 2
+    return kept

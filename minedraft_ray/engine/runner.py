@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from .attention import DecodeRows, triton_op
-from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache, TableEdits
+from .kv_blocks import DEFAULT_BLOCK_SIZE, TableEdits
+from .kv_cache import KVCache
 from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -476,7 +477,7 @@ class ModelRunner:
     # ---- blocks and lengths --------------------------------------------------------------------
     def reserve(self, slots: list[int], num_tokens: list[int]) -> None:
         """Map positions [0, num_tokens[i]) of slots[i] to blocks before they are written (all or nothing;
-        kv_cache.BlocksExhaustedError when the pool cannot)."""
+        kv_blocks.BlocksExhaustedError when the pool cannot)."""
         self.cache.reserve_many(slots, num_tokens)
 
     def map_blocks(self, edits: TableEdits) -> None:

@@ -15,20 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from .rejection import draft_sample_packed, rejection_sample, unpack_draft_probs
+from .request import DraftRow
 from .runner import ModelRunner, to_host_async
 from .sampling import GREEDY_EPS, SamplingBatch, SamplingParams, logprobs_topk, sample
-
-
-@dataclass
-class DraftRow:
-    """What the drafter needs for one request: its slot and the final tokens it has not cached.
-
-    `catchup` = seq[valid:] where `valid` = tokens of the sequence already in the drafter's slot
-    (at most seq_len - 2); normally the last two tokens.
-    """
-    slot: int
-    valid: int
-    catchup: list[int]
 
 
 class Drafter:

@@ -1,20 +1,26 @@
 """Starting, restarting and stopping an engine's worker actors (the verifier, and the drafter where it has its
 own GPU) in the engine's placement group, and the draft channel between them. A target at tensor-parallel size
 tp > 1 is the verifier (rank 0) plus tp - 1 TargetRank actors, which meet in Ray's GCS (runtime/rendezvous.py:
-nothing listens for them) and run as long as their group does (`follows`)."""
+nothing listens for them) and run as long as their group does (`follows`).
+
+The actors' classes here (`VerifierActor`, `DrafterActor`, `SpecActor`, `TargetRankActor`) are the calls the manager
+makes, each handed to a worker (workers.py) that the actor's own process builds from its class's import path
+(`WorkerSet`): the manager's process starts them without importing the workers' module, and so without torch."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
+from .messages import ChannelSpec, WorkerConfig
 from .placement import actor_options, create_placement_group
 from .rendezvous import Rendezvous
 from .transport import DraftChannel
-from .workers import TargetRank, WorkerConfig, WorkerSet
 
 log = logging.getLogger("minedraft.runtime")
 
@@ -32,6 +38,93 @@ async def wait_for(ref, what: str, timeout_s: float):
         raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
 
 
+def class_path(cls: type) -> str:
+    """A class's import path, as WorkerSet names it: "module:Class"."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def import_class(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class WorkerSet:
+    """The worker classes an engine starts, by import path ("module:Class", `class_path`), and extra constructor
+    arguments per role: each actor's process imports its class, the manager's never does. Serving always uses the
+    default; tests and benchmarks name subclasses from minedraft_ray.testing.workers (faults, synthetic acceptance,
+    recording), which the HTTP server cannot name."""
+    verifier: str = "minedraft_ray.runtime.workers:VerifierWorker"
+    drafter: str = "minedraft_ray.runtime.workers:DrafterWorker"
+    spec: str = "minedraft_ray.runtime.workers:SpecWorker"
+    verifier_kwargs: dict = field(default_factory=dict)   # for the verifier and the spec worker
+    drafter_kwargs: dict = field(default_factory=dict)
+
+
+TARGET_RANK = "minedraft_ray.runtime.workers:TargetRank"
+
+
+class _WorkerActor:
+    """A worker actor: `worker`, the class path of what it runs, built in the actor's process with the rest of the
+    arguments; each call of the manager's is handed to it."""
+
+    def __init__(self, worker: str, *args, **kwargs):
+        self.worker = import_class(worker)(*args, **kwargs)
+
+    def ready(self) -> dict:
+        return self.worker.ready()
+
+
+class VerifierActor(_WorkerActor):
+    def prefill(self, task: list) -> list:
+        return self.worker.prefill(task)
+
+    def verify(self, task: list, *drafts) -> list:
+        return self.worker.verify(task, *drafts)
+
+    def open_link(self, generation: int) -> str:
+        return self.worker.open_link(generation)
+
+    def drain_drafts(self, round_: list) -> None:
+        self.worker.drain_drafts(round_)
+
+    def open_channel_end(self, spec: ChannelSpec) -> None:
+        self.worker.open_channel_end(spec)
+
+    def close_channel_end(self, generation: int, reason: str) -> None:
+        self.worker.close_channel_end(generation, reason)
+
+
+class SpecActor(VerifierActor):
+    def step(self, task: list) -> list:
+        return self.worker.step(task)
+
+
+class DrafterActor(_WorkerActor):
+    def prefill(self, task: list) -> float:
+        return self.worker.prefill(task)
+
+    def draft(self, round_: list, *sources):
+        return self.worker.draft(round_, *sources)
+
+    def draft_over(self, key: list, round_: list, *sources) -> float:
+        return self.worker.draft_over(key, round_, *sources)
+
+    def join_link(self, generation: int, prefix: str) -> None:
+        self.worker.join_link(generation, prefix)
+
+    def drain_tokens(self, source: list) -> None:
+        self.worker.drain_tokens(source)
+
+    def open_channel_end(self, spec: ChannelSpec) -> None:
+        self.worker.open_channel_end(spec)
+
+
+class TargetRankActor(_WorkerActor):
+    def follow(self) -> int:
+        return self.worker.follow()
+
+
 class WorkerActors:
     def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
                  placement_group: PlacementGroup | None, vocab_limit: int | None):
@@ -46,7 +139,9 @@ class WorkerActors:
         self.tp_group: Rendezvous | None = None   # where the ranks met; their NCCL group uses it while it lives
         self.drafter_seq = 0     # drafter tasks numbered so far (next_drafter_seq)
         self.info: dict = {}
-        self._verifier_cls, self._drafter_cls, self._spec_cls = channel.actor_classes(workers)
+        options = {"max_restarts": 0, **channel.actor_options}
+        self._verifier_cls, self._drafter_cls, self._spec_cls = (ray.remote(**options)(cls)
+                                                                 for cls in (VerifierActor, DrafterActor, SpecActor))
 
     async def start(self) -> dict:
         """Both actors up, connected -> {"verifier": info, "drafter": info | None}."""
@@ -59,17 +154,18 @@ class WorkerActors:
         # overlap: a threaded verifier; a task waits for its turn in a thread of its own, and the tasks in
         # flight at once are bounded by the batches' queue depths plus the prefills between them
         threads = {"max_concurrency": 16} if self.config.verifier_overlap else {}
-        cls, role = (self._spec_cls, "spec") if self.mode == "sd" else (self._verifier_cls, "verifier")
+        cls, role, worker = ((self._spec_cls, "spec", self.workers.spec) if self.mode == "sd"
+                             else (self._verifier_cls, "verifier", self.workers.verifier))
         group = {}
         if tp > 1:
             self.tp_group = group["tp_group"] = Rendezvous.fresh("tp", START_TIMEOUT_S)
         self.verifier = cls.options(**actor_options(self.pg, self.mode, role, tp), **threads).remote(
-            self.worker_config, self.num_slots, **self.workers.verifier_kwargs, **group)
+            worker, self.worker_config, self.num_slots, **self.workers.verifier_kwargs, **group)
         waits = [wait_for(self.verifier.ready.remote(), "verifier start", START_TIMEOUT_S)]
-        rank_cls = ray.remote(max_restarts=0)(TargetRank)
+        rank_cls = ray.remote(max_restarts=0)(TargetRankActor)
         # two threads: a rank answers calls (ready, a health probe) while it follows
         self.ranks = [rank_cls.options(**actor_options(self.pg, self.mode, "rank", tp, rank), max_concurrency=2)
-                      .remote(self.worker_config, self.num_slots, rank, group["tp_group"])
+                      .remote(TARGET_RANK, self.worker_config, self.num_slots, rank, group["tp_group"])
                       for rank in range(1, tp)]
         rank_waits = [wait_for(r.ready.remote(), f"target rank {i + 1} start", START_TIMEOUT_S)
                       for i, r in enumerate(self.ranks)]
@@ -89,7 +185,7 @@ class WorkerActors:
         threads = {"max_concurrency": 16} if self.config.drafter_overlap else {}
         placement = actor_options(self.pg, self.mode, "drafter", self.config.tp)
         return self._drafter_cls.options(**placement, **threads).remote(
-            self.worker_config, self.num_slots, **self.workers.drafter_kwargs)
+            self.workers.drafter, self.worker_config, self.num_slots, **self.workers.drafter_kwargs)
 
     async def replace_drafter(self) -> dict:
         """Kill the drafter (if any is left) and start a new one, connected -> its info."""

@@ -17,11 +17,11 @@ import ray  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import EngineConfig
-from ..engine.engine import GenerationOutput
-from ..engine.sampling import SamplingParams
+from ..engine.request import GenerationOutput
+from ..engine.sampling_params import SamplingParams
+from .actors import WorkerSet
 from .manager import BatchManager, EngineDeadError, StepOutput
 from .placement import create_placement_group
-from .workers import WorkerSet, shared_vocab
 
 # one output record for the in-process engine and the Ray runtime
 RequestOutput = GenerationOutput
@@ -125,8 +125,10 @@ class LLM:
                 fields["draft"] = draft
             config = EngineConfig(**fields)
         self.config = config
+        # the driver's side only (torch, transformers): the manager's actor imports this module too
         from ..engine.loader import load_tokenizer
         from ..engine.presets import resolve_model
+        from .workers import shared_vocab
         self.tokenizer = load_tokenizer(resolve_model(config.target))
         vocab_limit = shared_vocab(config)   # the pair checked here, beside the tokenizer, before anything starts
         init_local_ray()

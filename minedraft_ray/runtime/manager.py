@@ -28,23 +28,23 @@ from dataclasses import dataclass, field
 from ray.util.placement_group import PlacementGroup
 
 from ..config import EngineConfig
-from ..engine.engine import commit_tokens, default_device, draft_rows
-from ..engine.kv_cache import CacheSizeError
-from ..engine.model import ModelConfig
+from ..engine.devices import cuda_available
+from ..engine.hf_config import ModelSpec
+from ..engine.kv_blocks import CacheSizeError
 from ..engine.presets import resolve_model
-from ..engine.request import Request
-from ..engine.sampling import SamplingParams
+from ..engine.request import Request, commit_tokens, draft_rows
+from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
-from .actors import START_TIMEOUT_S, WorkerActors, wait_for
+from .actors import START_TIMEOUT_S, WorkerActors, WorkerSet, wait_for
 from .errors import EngineDeadError, EngineOverloadedError
+from .messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
+                       VerifyTask)
 from .scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState, Scheduler,
                         SchedulerConfig, VerifyPlan)
 from .streams import OutputSink, StepOutput, _merged, coalesced
 from .telemetry import EngineSnapshot, KVPoolStats, RegimeSteps, StepRecord
 from .transport import default_transport, make_channel
-from .workers import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
-                      VerifyTask, WorkerSet)
 
 __all__ = ["BatchManager", "EngineDeadError", "EngineOverloadedError", "StepOutput", "StepRecord", "_merged",
            "overlap_by_default", "START_TIMEOUT_S"]
@@ -67,8 +67,9 @@ class InFlight:
 
 def workers_on_gpu(config: EngineConfig) -> bool:
     """Whether the workers will compute on a GPU. The manager shares their node (STRICT_PACK), and Ray hides no
-    GPU from an actor that asks for none, so the workers' device choice can be made here."""
-    return config.device == "cuda" or (config.device == "auto" and default_device().type == "cuda")
+    GPU from an actor that asks for none, so the workers' device choice (engine.default_device) can be made here,
+    without torch (engine/devices.py)."""
+    return config.device == "cuda" or (config.device == "auto" and cuda_available())
 
 
 def overlap_by_default(config: EngineConfig) -> bool:
@@ -77,7 +78,7 @@ def overlap_by_default(config: EngineConfig) -> bool:
     return workers_on_gpu(config)
 
 
-def resolve_config(config: EngineConfig, model_cfg: ModelConfig) -> EngineConfig:
+def resolve_config(config: EngineConfig, model_cfg: ModelSpec) -> EngineConfig:
     """The config with every `auto` and default that depends on the model or the device made concrete (max_len:
     the model's context until the workers' KV pools bound it, `BatchManager.start`)."""
     if config.max_len is None:
@@ -120,7 +121,7 @@ class BatchManager:
                  workers: WorkerSet | None = None, *, vocab_limit: int | None):
         """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked by whoever starts the engine."""
         target_dir = resolve_model(config.target)
-        model_cfg = ModelConfig.from_pretrained(target_dir)
+        model_cfg = ModelSpec.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)
         self.max_len_given = config.max_len is not None
         self.config = config = resolve_config(config, model_cfg)   # the one home of k and every setting

@@ -31,7 +31,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import ray
@@ -41,23 +40,17 @@ from ray.util import collective
 from ray.util.collective.backend_registry import register_collective_backend
 from ray.util.collective.collective_group.base_collective_group import BaseGroup
 
-from .rendezvous import GcsStore
+from .gcs_store import GcsStore
+from .messages import GLOO_PAIR, NCCL, ChannelSpec
 
 log = logging.getLogger("minedraft.runtime")
 
-GLOO_PAIR = "MINEDRAFT_GLOO_PAIR"   # the CPU backend's name in Ray's registry
-NCCL = "NCCL"
-CONCURRENCY_GROUP = "draft_channel"   # the actors' thread for opening and closing ends, beside their tasks
 # a transfer waits this long at most: gloo ends a connection whose wait times out, and an idle receiver must
 # not; the callers' own waits are bounded (step_timeout_s)
 UNBOUNDED = timedelta(days=365)
 HELLO = -1          # the tag of the message each end sends first: both directions carry one before use
 HEADER_LEN = 6      # tag, dtype code, ndim, up to 3 dims
 DTYPES = (torch.int64, torch.float32)
-
-
-def backend_for(device: str) -> str:
-    return NCCL if device.startswith("cuda") else GLOO_PAIR
 
 
 # ---- the CPU backend -------------------------------------------------------------------------------------
@@ -116,17 +109,6 @@ register_backend()
 
 
 # ---- one end ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChannelSpec:
-    """One drafter generation's channel, as the manager describes it to both ends."""
-    name: str          # unique per engine and generation; its groups are `<name>-drafts` and `<name>-tokens`
-    generation: int
-    backend: str       # NCCL or GLOO_PAIR
-
-    def group(self, direction: str) -> str:
-        return f"{self.name}-{direction}"
-
-
 class ChannelEnd:
     VERIFIER, DRAFTER = 0, 1   # ranks in both groups
 
@@ -311,7 +293,7 @@ def _abort_nccl(group: str) -> None:
         log.debug("draft channel group %s: abort: %s", group, e)
 
 
-# ---- run in the actors (through __ray_call__, in their channel thread) -------------------------------------
+# ---- run in the workers (open_channel_end / close_channel_end, in their actors' channel thread) -----------
 def open_end(worker, spec: ChannelSpec, rank: int) -> None:
     """A worker's end of `spec`'s channel; the end of an earlier generation is closed first."""
     old, worker.link = worker.link, None

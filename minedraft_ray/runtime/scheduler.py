@@ -57,7 +57,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..engine.kv_cache import HEADROOM, BlockManager, SlotAllocator, TableEdits
+from ..engine.kv_blocks import HEADROOM, BlockManager, SlotAllocator, TableEdits
 from ..engine.request import Request
 from .regime import RegimeChooser
 

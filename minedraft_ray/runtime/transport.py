@@ -25,22 +25,17 @@ import asyncio
 import logging
 import uuid
 
-import ray
 
-from .ray_collective import CONCURRENCY_GROUP, ChannelEnd, ChannelSpec, backend_for, close_end, open_end
-from .workers import DraftRound, LinkRound, LinkTokens, WorkerSet
+from .messages import ChannelSpec, DraftRound, LinkRound, LinkTokens, backend_for
 
 log = logging.getLogger("minedraft.runtime")
+
+CONCURRENCY_GROUP = "draft_channel"   # the actors' thread for opening and closing ray_collective ends, beside their tasks
 
 
 class DraftChannel:
     name = "abstract"
-    actor_options: dict = {}
-
-    def actor_classes(self, workers: WorkerSet):
-        """(VerifierActor, DrafterActor, SpecActor) remote classes suited to this channel."""
-        opts = {"max_restarts": 0, **self.actor_options}
-        return tuple(ray.remote(**opts)(cls) for cls in (workers.verifier, workers.drafter, workers.spec))
+    actor_options: dict = {}   # what the worker actors need for this channel (ray.remote's options)
 
     async def connect(self, drafter, verifier, device: str) -> None:
         """Called after both actors are up (and again after a drafter restart)."""
@@ -137,12 +132,12 @@ class RayCollectiveChannel(CollectiveChannel):
     async def connect(self, drafter, verifier, device: str) -> None:
         self.generation += 1
         spec = ChannelSpec(f"{self._prefix}-g{self.generation}", self.generation, backend_for(device))
-        await asyncio.gather(*(actor.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(
-            open_end, spec, rank) for actor, rank in ((verifier, ChannelEnd.VERIFIER), (drafter, ChannelEnd.DRAFTER))))
+        await asyncio.gather(*(actor.open_channel_end.options(concurrency_group=CONCURRENCY_GROUP).remote(spec)
+                               for actor in (verifier, drafter)))
 
     def drafter_gone(self, verifier) -> None:
-        verifier.__ray_call__.options(concurrency_group=CONCURRENCY_GROUP).remote(
-            close_end, self.generation, "the drafter is gone")
+        verifier.close_channel_end.options(concurrency_group=CONCURRENCY_GROUP).remote(self.generation,
+                                                                                         "the drafter is gone")
 
 
 CHANNELS = {c.name: c for c in (ObjectStoreChannel, CollectiveChannel, RayCollectiveChannel)}

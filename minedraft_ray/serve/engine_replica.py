@@ -1,7 +1,8 @@
 """The engine deployment of the Serve app (serve/app.py builds it): each replica owns a MineDraft placement group
 (bundle 0 is the replica itself, the other bundles hold the drafter/verifier actors its BatchManager creates) and the
 BatchManager. Its own module, apart from the ingress's: Serve imports a deployment's module in every replica of it, and
-this one imports the runtime's model side (torch), which the ingress replicas, running no model, must not load.
+this one imports the batch manager, which the ingress replicas do not run. Neither imports torch: the worker actors the
+manager starts hold the models (tests/test_layering.py).
 """
 from ray import serve
 

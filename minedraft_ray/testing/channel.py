@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..runtime.ray_collective import ChannelEnd
+from ..runtime.ray_collective import ChannelEnd, close_end
 
 TIMEOUT_S = 20.0
 
@@ -20,6 +20,9 @@ class End:
 
     def open(self, spec, rank, timeout_s=TIMEOUT_S):
         self.link = ChannelEnd.open(spec, rank, timeout_s)
+
+    def close_channel_end(self, generation, reason):   # as the verifier's (RayCollectiveChannel.drafter_gone)
+        close_end(self, generation, reason)
 
     def send(self, values, tag):
         self.link.send(torch.tensor(values, dtype=torch.int64), tag)

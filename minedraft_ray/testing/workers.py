@@ -1,8 +1,9 @@
 """Worker actors for tests and benchmarks only: subclasses of the runtime's workers that inject drafter faults,
 replace rejection sampling by a synthetic acceptance rate, or record what each verify saw.
 
-They reach an engine only through `LLM(..., _workers=...)` (a `WorkerSet`); the HTTP server builds its
-engine from an EngineConfig alone, so no request can turn any of this on.
+They reach an engine only through `LLM(..., _workers=...)` (a `WorkerSet`, which names them by import path); the
+HTTP server builds its engine from an EngineConfig alone, so no request can turn any of this on. Their own methods
+are reached through the actor's `worker` (runtime/actors.py: the actor hands the manager's calls to it).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from ..engine.sampling import noise_uniform
 from ..engine.spec import Verifier
-from ..runtime.workers import DrafterWorker, SpecWorker, VerifierWorker, WorkerSet
+from ..runtime.actors import WorkerSet, class_path
+from ..runtime.workers import DrafterWorker, SpecWorker, VerifierWorker
 
 # the noise stream of the synthetic acceptance draws (the engine's streams are numbered 1..4, sampling.py)
 PURPOSE_SYNTHETIC = 17
@@ -65,7 +67,7 @@ class FaultyDrafterWorker(DrafterWorker):
 
 def faulty_drafter(**faults) -> WorkerSet:
     """LLM(..., _workers=faulty_drafter(error_at=4)): the drafter's rounds fail as DrafterFaults says."""
-    return WorkerSet(drafter=FaultyDrafterWorker, drafter_kwargs={"faults": DrafterFaults(**faults)})
+    return WorkerSet(drafter=class_path(FaultyDrafterWorker), drafter_kwargs={"faults": DrafterFaults(**faults)})
 
 
 def set_drafter_faults(llm, **faults) -> None:
@@ -73,8 +75,10 @@ def set_drafter_faults(llm, **faults) -> None:
     now; a drafter the engine starts later (a restart) has the faults the LLM was started with."""
     import ray
 
+    new = DrafterFaults(**faults)
+
     def set_faults(actor):
-        return actor.manager.drafter.set_faults.remote(DrafterFaults(**faults))
+        return actor.manager.drafter.__ray_call__.remote(lambda drafter: drafter.worker.set_faults(new))
     ray.get(ray.get(llm.manager.__ray_call__.remote(set_faults)))
 
 
@@ -122,7 +126,7 @@ class SyntheticSpecWorker(SpecWorker):
 
 def synthetic_acceptance(alpha: float) -> WorkerSet:
     """LLM(..., _workers=synthetic_acceptance(0.8)): every mode's verifier accepts drafts at rate alpha."""
-    return WorkerSet(verifier=SyntheticVerifierWorker, spec=SyntheticSpecWorker,
+    return WorkerSet(verifier=class_path(SyntheticVerifierWorker), spec=class_path(SyntheticSpecWorker),
                      verifier_kwargs={"acceptance": alpha})
 
 
@@ -131,7 +135,7 @@ def set_synthetic_acceptance(llm, alpha: float) -> None:
     import ray
 
     def set_alpha(actor):
-        return actor.manager.verifier.set_acceptance.remote(alpha)
+        return actor.manager.verifier.__ray_call__.remote(lambda verifier: verifier.worker.set_acceptance(alpha))
     ray.get(ray.get(llm.manager.__ray_call__.remote(set_alpha)))
 
 
@@ -181,12 +185,12 @@ class RecordingSpecWorker(SpecWorker):
 
 def recording() -> WorkerSet:
     """LLM(..., _workers=recording()): the verifier keeps a VerifyRow per row of every verify."""
-    return WorkerSet(verifier=RecordingVerifierWorker, spec=RecordingSpecWorker)
+    return WorkerSet(verifier=class_path(RecordingVerifierWorker), spec=class_path(RecordingSpecWorker))
 
 
 def verify_rows(llm) -> list[VerifyRow]:
     import ray
 
     def rows(actor):
-        return actor.manager.verifier.verify_rows.remote()
+        return actor.manager.verifier.__ray_call__.remote(lambda verifier: verifier.worker.verify_rows())
     return ray.get(ray.get(llm.manager.__ray_call__.remote(rows)))
