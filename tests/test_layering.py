@@ -91,6 +91,26 @@ def test_the_manager_names_worker_calls_the_workers_have():
         assert "ready" in calls and all(callable(getattr(worker, name, None)) for name in calls), (actor, path)
 
 
+def test_fault_drills_keep_the_manager_torch_free():
+    """A drill's faults travel through the manager (pickled in its WorkerSet): unpickling them there loads no torch,
+    so the drills run on a manager process like production's."""
+    import pickle
+
+    from minedraft_ray.testing.workers import faulty_drafter
+
+    code = "import pickle, sys\npickle.loads(bytes.fromhex(sys.argv[1]))\nprint(*sys.modules)"
+    assert not torch_modules(run_fresh(code, pickle.dumps(faulty_drafter(error_at=4)).hex()).split())
+
+
+@pytest.mark.parametrize("path", ["minedraft_ray.runtime.workers", "os:system", "minedraft_ray.x:A.B",
+                                  "minedraft_ray.x:<locals>"])
+def test_a_worker_class_path_is_a_top_level_class_of_the_package(path):
+    from minedraft_ray.runtime.actors import WorkerSet
+
+    with pytest.raises(ValueError):
+        WorkerSet(drafter=path)
+
+
 def test_the_managers_cuda_check_is_torchs():
     """The manager picks its GPU defaults without torch (engine/devices.py); torch would answer the same."""
     import torch

@@ -39,11 +39,22 @@ async def wait_for(ref, what: str, timeout_s: float):
 
 
 def class_path(cls: type) -> str:
-    """A class's import path, as WorkerSet names it: "module:Class"."""
-    return f"{cls.__module__}:{cls.__qualname__}"
+    """A class's import path, as WorkerSet names it: "module:Class" (a class at its module's top level)."""
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    check_class_path(path)
+    return path
+
+
+def check_class_path(path: str) -> None:
+    """A worker class path names a top-level class of minedraft_ray's own modules: a wrong one fails here, in the
+    caller, rather than as a dead actor at its start."""
+    module, sep, name = path.partition(":")
+    if not sep or not module.startswith("minedraft_ray.") or not name.isidentifier():
+        raise ValueError(f"a worker class path is 'minedraft_ray.module:Class', not {path!r}")
 
 
 def import_class(path: str) -> type:
+    check_class_path(path)
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -60,6 +71,10 @@ class WorkerSet:
     verifier_kwargs: dict = field(default_factory=dict)   # for the verifier and the spec worker
     drafter_kwargs: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        for path in (self.verifier, self.drafter, self.spec):
+            check_class_path(path)
+
 
 TARGET_RANK = "minedraft_ray.runtime.workers:TargetRank"
 
@@ -68,7 +83,7 @@ class _WorkerActor:
     """A worker actor: `worker`, the class path of what it runs, built in the actor's process with the rest of the
     arguments; each call of the manager's is handed to it."""
 
-    def __init__(self, worker: str, *args, **kwargs):
+    def __init__(self, worker: str, /, *args, **kwargs):
         self.worker = import_class(worker)(*args, **kwargs)
 
     def ready(self) -> dict:

@@ -210,6 +210,12 @@ class BatchManager:
     # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         await self.actors.start()
+        device = self.worker_info["verifier"]["device"]
+        if device.startswith("cuda") != workers_on_gpu(self.config):
+            # engine/devices.py guessed the workers' device for the defaults and was wrong (say, a ROCm build)
+            log.warning("the verifier computes on %s, but the defaults (transport, overlap, prefill budget) were "
+                        "picked for %s: set `device` in the config", device,
+                        "a CPU" if device.startswith("cuda") else "a GPU")
         self.sched.drafter_alive = self.drafter is not None
         try:
             self._attach_kv()

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import uuid
 
-
 from .messages import ChannelSpec, DraftRound, LinkRound, LinkTokens, backend_for
 
 log = logging.getLogger("minedraft.runtime")

@@ -16,21 +16,13 @@ from ..engine.sampling import noise_uniform
 from ..engine.spec import Verifier
 from ..runtime.actors import WorkerSet, class_path
 from ..runtime.workers import DrafterWorker, SpecWorker, VerifierWorker
+from .faults import DrafterFaults
 
 # the noise stream of the synthetic acceptance draws (the engine's streams are numbered 1..4, sampling.py)
 PURPOSE_SYNTHETIC = 17
 
 
 # ---- drafter faults ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DrafterFaults:
-    """What a FaultyDrafterWorker does to its draft rounds (numbered from 1, in the order they run)."""
-    delay_s: float = 0.0           # every round sleeps this long first (a kill then lands mid-round)
-    error_at: int | None = None    # this round raises; the actor stays alive
-    hang_at: int | None = None     # this round never returns (sleeps an hour); the actor stays alive
-    prefill_delay_s: float = 0.0   # every prompt (chunk) prefill sleeps this long first (a kill lands mid-prompt)
-
-
 class _FaultyDrafter:
     """The engine's Drafter, with faults before a round's device work (inside the worker's launch turn)."""
 
