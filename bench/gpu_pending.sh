@@ -6,7 +6,8 @@
 #
 #   OUT=/some/dir GIT_SHA=<sha> PARENT_SHA=bd2b7ee bash bench/gpu_pending.sh PART
 #
-# PART 1: the CUDA tests of the kernels and graphs, the fused step profile.
+# PART 1: the manager's torch-free CUDA check against torch's; the CUDA tests of the kernels and graphs; the fused
+# step profile. (PART 2's runs are the first of the runtime's torch-free actor classes on a GPU.)
 # PART 2: runtime parity sd m=64 (k=2) and ar m=16 (#21: within 2 % of the parent, same call).
 # PART 3: runtime parity ar m=64; real traffic ar: padded vs fused vs fused in arrival order, long prompts (#24).
 # PART 4: real traffic sd (padded, fused); serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
@@ -42,6 +43,7 @@ serve_pair() {   # serve_pair NAME LIMIT ARGS...: through Serve's proxy (2 ingre
 
 case "${1:?PART}" in
 1)
+  step cuda_check 30 python -m pytest -q -p no:cacheprovider tests/test_layering.py -k cuda_check
   step cuda_kernels 120 python -m pytest -q -p no:cacheprovider tests/test_attention_triton.py -k cuda
   step cuda_graphs 180 python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_fused_step.py
   step fused_profile 150 python -m bench.fused_step_profile --batches 32 --chunks 0,64,128,256 \
