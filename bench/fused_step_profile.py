@@ -274,6 +274,7 @@ def parse(argv):
                    "at every chunk start)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per kernel table (their mean)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None, help="default bench/results; smoke: /tmp/fused_step_profile_smoke")
@@ -282,6 +283,7 @@ def parse(argv):
     if args.smoke:
         args.target, args.batches, args.chunks, args.chunk_starts = "random:tiny", "2,4", "0,8,16", "0,24"
         args.max_len, args.profile_batch, args.warmup, args.reps, args.kernel_chunks = 128, 4, 1, 3, "8,16"
+        args.profile_steps = 1   # on a CPU every op is an event: parsing five steps' took a quarter of the smoke's CPU
     args.batches = [int(b) for b in args.batches.split(",")]
     args.chunks = sorted({int(c) for c in args.chunks.split(",")} | {0})
     args.chunk_starts = [int(c) for c in args.chunk_starts.split(",")]
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         time_rows_attention(runner, batch, args.reps, args.warmup, emit)
     time_chunk_attention(runner, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
     profiled = [(0, None)] + [(c, start) for c in args.kernel_chunks for start in args.chunk_starts]
-    kernels = kernel_tables(runner, args.profile_batch, profiled, steps=5)
+    kernels = kernel_tables(runner, args.profile_batch, profiled, steps=args.profile_steps)
     notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed buckets "
              f"{', '.join(map(str, PACKED_GRAPH_TOKENS))} tokens); rows of one token (ar) on slots whose contexts are "
              "real-traffic prompts (lognormal median 300, P99 3000, seed 0) plus 0..255 output tokens; the chunk "

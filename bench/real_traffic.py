@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
     notes = [work.describe(),
              f"max_batch {args.max_batch}; sd: k={args.k}, synthetic acceptance alpha={args.alpha}; "
-             f"{args.n_closed} closed requests; online {args.online_s:.0f} s of Poisson arrivals per load at "
+             f"{args.n_closed} closed requests; online {args.online_s:g} s of Poisson arrivals per load at "
              f"{args.loads} x the padded engine's closed capacity",
              "chunked: packed prefill, prompts cut at prefill_chunk_tokens per step, each chunk its own launch; "
              "fused: the same budget bounding one launch of the verify and the chunk while requests decode; padded: "
@@ -383,10 +383,10 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
              "prefill_order: who takes the step's prefill budget first (shortest: the fewest prompt tokens left, a "
              "prompt overtaken by its own length first; arrival: first come, first served)"]
     if args.long_prompts:
-        notes.append(f"online_long: {args.online_s:.0f} s of Poisson arrivals at {args.long_load} x the padded "
+        notes.append(f"online_long: {args.online_s:g} s of Poisson arrivals at {args.long_load} x the padded "
                      f"engine's closed capacity (seed {round(args.long_load * 1000) + 1}) plus {args.long_prompts} "
                      f"prompts drawn from the same lognormal above {work.long_tokens} tokens (inverse CDF over the "
-                     f"tail, request ids from {TAIL_IDS}), arriving at (j + 0.5) x {args.online_s:.0f} s / "
+                     f"tail, request ids from {TAIL_IDS}), arriving at (j + 0.5) x {args.online_s:g} s / "
                      f"{args.long_prompts}")
     notes += ratios(rows)
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "

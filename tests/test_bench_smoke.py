@@ -12,7 +12,7 @@ from bench.psd_vs_sd import COLUMNS, main, merge, steady_stats
 @pytest.fixture(scope="module")
 def smoke(ray_cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("psd_vs_sd")
-    commands = ["--mode psd --ks 1 --loads 0.3,0.9 --online-s 1",   # closed, then online at 2 loads
+    commands = ["--mode psd --ks 1 --loads 0.3,0.9 --online-s 0.5",   # closed, then online at 2 loads
                 "--mode sd --ks 1 --replicas 2", "--mode ar", "--mode sd --ks 2 --acceptance real"]
     for command in commands:
         assert main(["--smoke", "--m", "2", "--waves", "2", "--out", str(out), *command.split()]) == 0

@@ -3,9 +3,14 @@ cluster, over Ray's collective API with the CPU backend: messages filed by tag w
 sends that never block, drains, a waiting receive released at once by close (what the manager does when Ray
 reports the drafter dead: NCCL would not notice) and bounded by the timeout, a dead peer seen at once, a new
 generation with a restarted peer beside another user of torch.distributed's default group, which the channel never
-touches, and nothing listening on a wildcard address."""
+touches, and nothing listening on a wildcard address.
+
+The tests whose peers stay alive open their channels, each of its own name, on one pair of actors (an actor's start
+imports torch): each test's open replaces the end the one before left, as a worker's end is replaced when its
+peer restarts."""
 import time
 
+import pytest
 import ray
 
 from minedraft_ray.runtime.messages import GLOO_PAIR, ChannelSpec
@@ -14,14 +19,28 @@ from minedraft_ray.runtime.transport import CONCURRENCY_GROUP, RayCollectiveChan
 from minedraft_ray.testing.channel import TIMEOUT_S, End
 
 
-def _pair(ray_cluster, name, generation=1, verifier=None):
-    actor = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(End)
-    verifier = verifier or actor.remote()
-    drafter = actor.remote()
+def _end():
+    return ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(End).remote()
+
+
+def _open(verifier, drafter, name, generation=1, **timeout):
     spec = ChannelSpec(name, generation, GLOO_PAIR)
-    ray.get([verifier.open.remote(spec, ChannelEnd.VERIFIER), drafter.open.remote(spec, ChannelEnd.DRAFTER)],
-            timeout=60)
+    ray.get([verifier.open.remote(spec, ChannelEnd.VERIFIER, **timeout),
+             drafter.open.remote(spec, ChannelEnd.DRAFTER, **timeout)], timeout=60)
     return verifier, drafter
+
+
+def _pair(ray_cluster, name, generation=1, verifier=None):
+    return _open(verifier or _end(), _end(), name, generation)
+
+
+@pytest.fixture(scope="module")
+def live_pair(ray_cluster):
+    """Two actors whose ends the tests with live peers open their channels on."""
+    actors = _end(), _end()
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
 
 
 def _until(check, timeout_s=10.0) -> bool:
@@ -31,46 +50,38 @@ def _until(check, timeout_s=10.0) -> bool:
     return check()
 
 
-def test_messages_are_filed_by_tag_and_sends_never_block(ray_cluster):
-    verifier, drafter = _pair(ray_cluster, "test-order")
-    try:
-        # the drafter sends 1, 2, 3; the verifier takes 3 first (psd's verifies name rounds out of draft order)
-        ray.get([drafter.send.remote([[t] * 3] * 2, t) for t in (1, 2, 3)])
-        for tag in (3, 1, 2):
-            got, _ = ray.get(verifier.recv.remote((2, 3), tag))
-            assert got == [[tag] * 3] * 2, got
-        # the other direction, a message drained before it comes and one drained after
-        ray.get([verifier.drain.remote((1, 2), 5), verifier.send.remote([[7, 8]], 6)])
-        ray.get(drafter.send.remote([[1, 1]], 5))
-        assert ray.get(drafter.recv.remote((1, 2), 6))[0] == [[7, 8]]
-        ray.get(drafter.send.remote([[2, 2]], 9))
-        assert _until(lambda: ray.get(verifier.in_flight.remote()) == 1)   # 9 arrived, nobody took it
-        ray.get(verifier.drain.remote((1, 2), 9))
-        assert _until(lambda: ray.get([verifier.in_flight.remote(), drafter.in_flight.remote()]) == [0, 0])
-        # nothing on the process's default torch.distributed group, nothing listening on every interface
-        assert ray.get([verifier.default_group_initialized.remote(), drafter.default_group_initialized.remote()]) \
-            == [False, False]
-        assert ray.get([verifier.wildcard_listeners.remote(), drafter.wildcard_listeners.remote()]) == [[], []]
-    finally:
-        for actor in (verifier, drafter):
-            ray.kill(actor)
+def test_messages_are_filed_by_tag_and_sends_never_block(live_pair):
+    verifier, drafter = _open(*live_pair, "test-order")
+    # the drafter sends 1, 2, 3; the verifier takes 3 first (psd's verifies name rounds out of draft order)
+    ray.get([drafter.send.remote([[t] * 3] * 2, t) for t in (1, 2, 3)])
+    for tag in (3, 1, 2):
+        got, _ = ray.get(verifier.recv.remote((2, 3), tag))
+        assert got == [[tag] * 3] * 2, got
+    # the other direction, a message drained before it comes and one drained after
+    ray.get([verifier.drain.remote((1, 2), 5), verifier.send.remote([[7, 8]], 6)])
+    ray.get(drafter.send.remote([[1, 1]], 5))
+    assert ray.get(drafter.recv.remote((1, 2), 6))[0] == [[7, 8]]
+    ray.get(drafter.send.remote([[2, 2]], 9))
+    assert _until(lambda: ray.get(verifier.in_flight.remote()) == 1)   # 9 arrived, nobody took it
+    ray.get(verifier.drain.remote((1, 2), 9))
+    assert _until(lambda: ray.get([verifier.in_flight.remote(), drafter.in_flight.remote()]) == [0, 0])
+    # nothing on the process's default torch.distributed group, nothing listening on every interface
+    assert ray.get([verifier.default_group_initialized.remote(), drafter.default_group_initialized.remote()]) \
+        == [False, False]
+    assert ray.get([verifier.wildcard_listeners.remote(), drafter.wildcard_listeners.remote()]) == [[], []]
 
 
-def test_close_releases_a_waiting_receive_at_once(ray_cluster):
-    verifier, drafter = _pair(ray_cluster, "test-close")
-    try:
-        # the peer is alive and silent (a hung drafter; or any drafter under NCCL, which sees no death): the
-        # manager's word closes the end, from the actor's other thread, and the waiting receive fails at once
-        waiting = verifier.recv.remote((2, 3), 1)
-        time.sleep(0.5)
-        channel = RayCollectiveChannel()
-        channel.generation = 1
-        channel.drafter_gone(verifier)   # the manager's call once Ray reports the drafter dead or replaced
-        error, waited = ray.get(waiting, timeout=10)
-        assert "ConnectionError" in error and waited < 5, (error, waited)
-    finally:
-        for actor in (verifier, drafter):
-            ray.kill(actor)
+def test_close_releases_a_waiting_receive_at_once(live_pair):
+    verifier, drafter = _open(*live_pair, "test-close")
+    # the peer is alive and silent (a hung drafter; or any drafter under NCCL, which sees no death): the
+    # manager's word closes the end, from the actor's other thread, and the waiting receive fails at once
+    waiting = verifier.recv.remote((2, 3), 1)
+    time.sleep(0.5)
+    channel = RayCollectiveChannel()
+    channel.generation = 1
+    channel.drafter_gone(verifier)   # the manager's call once Ray reports the drafter dead or replaced
+    error, waited = ray.get(waiting, timeout=10)
+    assert "ConnectionError" in error and waited < 5, (error, waited)
 
 
 def test_a_dead_peer_fails_a_waiting_receive_and_a_restarted_one_gets_a_new_channel(ray_cluster):
@@ -94,16 +105,8 @@ def test_a_dead_peer_fails_a_waiting_receive_and_a_restarted_one_gets_a_new_chan
             ray.kill(actor)
 
 
-def test_a_receive_from_a_silent_peer_gives_up_after_the_timeout(ray_cluster):
+def test_a_receive_from_a_silent_peer_gives_up_after_the_timeout(live_pair):
     silent_s = 2.0
-    actor = ray.remote(concurrency_groups={CONCURRENCY_GROUP: 1})(End)
-    verifier, drafter = actor.remote(), actor.remote()
-    spec = ChannelSpec("test-timeout", 1, GLOO_PAIR)
-    try:
-        ray.get([verifier.open.remote(spec, ChannelEnd.VERIFIER, silent_s),
-                 drafter.open.remote(spec, ChannelEnd.DRAFTER, silent_s)], timeout=60)
-        error, waited = ray.get(verifier.recv.remote((2, 3), 1), timeout=30)
-        assert "TimeoutError" in error and silent_s <= waited < silent_s + 3, (error, waited)
-    finally:
-        for a in (verifier, drafter):
-            ray.kill(a)
+    verifier, drafter = _open(*live_pair, "test-timeout", timeout_s=silent_s)
+    error, waited = ray.get(verifier.recv.remote((2, 3), 1), timeout=30)
+    assert "TimeoutError" in error and silent_s <= waited < silent_s + 3, (error, waited)

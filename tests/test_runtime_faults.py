@@ -14,8 +14,8 @@ from minedraft_ray.runtime import LLM
 from minedraft_ray.testing.workers import faulty_drafter, set_drafter_faults
 from runtime_common import LENGTHS, PROMPTS, greedy, settled
 
-# the configurations two drills share (k=2, max_batch=3, psd): the collective channel with the unthreaded drafter,
-# and the object store with the short step timeout the hang drill waits out
+# the configurations several drills share (k=2, max_batch=3, psd): the collective channel with the unthreaded
+# drafter (its verifier killed last), and the object store with the short step timeout the hang drill waits out
 SHARED = {"collective": {"transport": "collective", "verifier_overlap": False, "step_timeout_s": 60},
           "object_store": {"transport": "object_store", "step_timeout_s": 5}}
 
@@ -24,8 +24,9 @@ SHARED = {"collective": {"transport": "collective", "verifier_overlap": False, "
 def shared_engines(ray_cluster, tiny_llama, tiny_llama_draft):
     started = {}
 
-    def get(name: str) -> LLM:
-        """The shared engine, started on first use; idle, its drafter up (a drill's restart done)."""
+    def get(name: str, take: bool = False) -> LLM:
+        """The shared engine, started on first use; idle, its drafter up (a drill's restart done). take: it leaves
+        the cache, to the caller, who ends it (the drill that kills its verifier)."""
         if name not in started:
             started[name] = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=3, torch_threads=1,
                                 _workers=faulty_drafter(), **SHARED[name])
@@ -35,7 +36,7 @@ def shared_engines(ray_cluster, tiny_llama, tiny_llama_draft):
             time.sleep(0.1)
         info = settled(llm)
         assert info["drafter_alive"] and info["running"] == info["queued"] == info["slots_in_use"] == 0, info
-        return llm
+        return started.pop(name) if take else llm
 
     yield get
     for llm in started.values():
@@ -153,15 +154,16 @@ def test_drafter_dead_before_new_prompts_arrive(shared_engines, reference_10, mo
 
 
 @pytest.mark.parametrize("transport", ["collective"])   # the channel whose drafter waits on the verifier's end
-def test_verifier_killed_fails_requests_clearly(ray_cluster, tiny_llama, tiny_llama_draft, transport):
-    # collective: the drafter waiting on the link for a verify's tokens sees the verifier's end close
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=2, torch_threads=1, step_timeout_s=30,
-              transport=transport)
+def test_verifier_killed_fails_requests_clearly(shared_engines, transport):
+    # collective: the drafter waiting on the link for a verify's tokens sees the verifier's end close. The drill
+    # ends its engine: it takes the channel's shared one (its drills done: this test comes last) out of the cache
+    llm = shared_engines(transport, take=True)
     try:
         verifier = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.verifier))
+        steps_before = llm.info()["steps"]
         ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:4]], [greedy(1500)] * 4)
         deadline = time.time() + 60
-        while llm.info()["steps"] < 3 and time.time() < deadline:   # kill it mid-run, not before or after
+        while llm.info()["steps"] < steps_before + 3 and time.time() < deadline:   # kill it mid-run
             time.sleep(0.05)
         ray.kill(verifier, no_restart=True)
         with pytest.raises(Exception) as err:

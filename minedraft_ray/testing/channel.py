@@ -19,6 +19,11 @@ class End:
         self.link = None
 
     def open(self, spec, rank, timeout_s=TIMEOUT_S):
+        """This actor's end of `spec`'s channel; an earlier end is closed first, as a worker's is
+        (runtime/ray_collective.py's open_end)."""
+        old, self.link = self.link, None
+        if old is not None:
+            old.close(f"replaced by {spec.name} generation {spec.generation}")
         self.link = ChannelEnd.open(spec, rank, timeout_s)
 
     def close_channel_end(self, generation, reason):   # as the verifier's (RayCollectiveChannel.drafter_gone)
