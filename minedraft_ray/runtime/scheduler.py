@@ -272,7 +272,8 @@ class VerifyPlan:
 
     @property
     def drafted(self) -> int:
-        return sum(i >= 0 for i in self.draft_index)
+        """Rows with drafts."""
+        return len(self.draft_index) - self.draft_index.count(-1)
 
 
 @dataclass
@@ -928,10 +929,10 @@ class Scheduler:
         # everything the step needs is in the verifier's slot state, otherwise a request rides when its state is
         # committed, or only its prefill is ahead of it. And when it has the blocks the verify writes (mostly
         # `_grow` or its admission gave them; a second verify queued in sd and ar takes more, as does a restarted
-        # drafter's pool); without them it rides a later one
-        any_inflight, waiting = self.depth > 1, self._waiting_for_blocks
-        candidates = [s for s in self.batches[b] if s.ready and (any_inflight or s.inflight == s.prefill_tasks)
-                      and (not waiting or id(s) not in waiting)]
+        # drafter's pool); without them it rides a later one. A member `_grow` covered in this call meets them all
+        any_inflight, waiting, call = self.depth > 1, self._waiting_for_blocks, self._calls
+        candidates = [s for s in self.batches[b] if s.reserved_in == call or (
+            s.ready and (any_inflight or s.inflight == s.prefill_tasks) and (not waiting or id(s) not in waiting))]
         short = self._reserve(candidates)
         rows = [s for s in candidates if s not in short] if short else candidates
         regime = self.regime(b)
