@@ -46,8 +46,8 @@ class BlockPool:
     """Host bookkeeping of the physical blocks: a free list and a reference count per block.
 
     A block is free at count 0. Counts above 1 are blocks shared by several slots (prefix caching). The counts
-    are a Python list: the runtime's scheduler hands out a few blocks per step one at a time, where numpy's
-    per-element indexing costs several times a list's.
+    are a Python list: the runtime's scheduler hands out a few blocks per step and takes a finished request's back,
+    where numpy's per-element indexing costs several times a list's.
     """
 
     def __init__(self, num_blocks: int):
