@@ -46,8 +46,8 @@ class BlockPool:
     """Host bookkeeping of the physical blocks: a free list and a reference count per block.
 
     A block is free at count 0. Counts above 1 are blocks shared by several slots (prefix caching). The counts
-    are a Python list: the runtime's scheduler hands out a few blocks per step one at a time, where numpy's
-    per-element indexing costs several times a list's.
+    are a Python list: the runtime's scheduler hands out a few blocks per step and takes a finished request's back,
+    where numpy's per-element indexing costs several times a list's.
     """
 
     def __init__(self, num_blocks: int):
@@ -74,16 +74,21 @@ class BlockPool:
     def incref(self, block: int) -> None:
         self.refcount[block] += 1
 
-    def decref(self, block: int) -> bool:
-        """Drop one reference; True when the block is now unreferenced (the caller frees or caches it)."""
-        if block == NULL_BLOCK or self.refcount[block] <= 0:
-            raise ValueError(f"block {block} is not held")
-        self.refcount[block] -= 1
-        return self.refcount[block] == 0
+    def unref(self, blocks: list[int]) -> list[int]:
+        """Drop one reference to each of `blocks`; -> those now unreferenced, in order (the caller frees or caches
+        them). A released slot's blocks in one call: a finished request gives back one per block_size tokens."""
+        refcount, unreferenced = self.refcount, []
+        for b in blocks:
+            if b == NULL_BLOCK or refcount[b] <= 0:
+                raise ValueError(f"block {b} is not held")
+            refcount[b] -= 1
+            if not refcount[b]:
+                unreferenced.append(b)
+        return unreferenced
 
-    def put_back(self, block: int) -> None:
-        assert self.refcount[block] == 0, f"block {block} still referenced"
-        self._free.append(block)
+    def put_back(self, blocks: list[int]) -> None:
+        """Unreferenced blocks (`unref`'s, or evicted from the prefix cache) back on the free list, in order."""
+        self._free.extend(blocks)
 
 
 
@@ -159,7 +164,7 @@ class BlockManager:
         while self.idle and self.pool.num_free < n:
             block, _ = self.idle.popitem(last=False)
             del self.cached[self.block_key.pop(block)]
-            self.pool.put_back(block)
+            self.pool.put_back([block])
         return self.pool.alloc(n)
 
     def reserve(self, slot: int, num_tokens: int) -> None:
@@ -184,26 +189,33 @@ class BlockManager:
         if ids:
             self._map(rows, cols, ids)
 
-    def grow(self, slot: int, n: int) -> None:
-        """n more blocks at the end of `slot`'s table (the caller checked they are available and fit the table)."""
-        held = self.held[slot]
-        start = len(held)
-        new = self._take(n)
-        held += new
-        self._map([slot] * n, list(range(start, start + n)), new)
+    def grow(self, slots: list[int], counts: list[int]) -> None:
+        """counts[i] more blocks at the end of slots[i]'s table, in one allocation and one table change (a step's
+        growth of its riders' tables; the caller checked they are available and fit the tables)."""
+        new = self._take(sum(counts))
+        rows, cols, taken = [], [], 0
+        for slot, n in zip(slots, counts):
+            held = self.held[slot]
+            rows += [slot] * n
+            cols += range(len(held), len(held) + n)
+            held += new[taken:taken + n]
+            taken += n
+        self._map(rows, cols, new)
 
     def release(self, slot: int) -> list[int]:
         """Give every block of `slot` back; returns the blocks that became unreferenced (already back in the
         pool; cached ones idle instead)."""
-        freed = []
         # the slot's last blocks first: when the pool runs short, a prefix's tail is evicted before its head
-        for b in reversed(self.held[slot]):
-            if self.pool.decref(b):
+        unreferenced = self.pool.unref(self.held[slot][::-1])
+        freed = unreferenced
+        if self.block_key:   # cached blocks stay, idle, for a request that starts the same way
+            freed = []
+            for b in unreferenced:
                 if b in self.block_key:
                     self.idle[b] = None
                 else:
-                    self.pool.put_back(b)
                     freed.append(b)
+        self.pool.put_back(freed)
         count = len(self.held[slot])
         self.held[slot] = []
         self.slot_keys[slot] = []

@@ -10,6 +10,7 @@ the workers both work with the dataclasses (tests/test_messages.py: every messag
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 from ..engine.kv_blocks import TableEdits
 
@@ -254,7 +255,7 @@ class DraftRound:
 
     def to_wire(self) -> list:
         # a row's (source, row) pairs flattened: msgpack takes lists, not tuples
-        takes = [[x for pair in row for x in pair] for row in self.takes]
+        takes = [list(chain.from_iterable(row)) for row in self.takes]
         return [self.seq, self.k, self.slots, self.valid, self.tails, takes, self.all_but_two, self.seeds,
                 self.positions, _wire(self.tables), _wire(self.tokens_over_link)]
 

@@ -96,21 +96,34 @@ class PlannedBlocks(BlockManager):
         for row, col, block in zip(rows, cols, ids):
             edits[row, col] = block
 
-    def grow(self, slot: int, n: int) -> None:
-        # BlockManager.grow with its changes queued directly: every step grows a few riders' tables
-        held = self.held[slot]
-        start = len(held)
-        new = self.pool.alloc(n) if not self.idle else self._take(n)   # no cached block to evict: the free list
-        held += new
-        edits = self._edits
-        for col, block in enumerate(new, start):
-            edits[slot, col] = block
+    def grow(self, slots: list[int], counts: list[int]) -> None:
+        # BlockManager.grow with its changes queued directly: every step grows riders' tables
+        new = self._take(sum(counts))
+        edits, taken = self._edits, 0
+        for slot, n in zip(slots, counts):
+            held = self.held[slot]
+            for block in new[taken:taken + n]:
+                edits[slot, len(held)] = block
+                held.append(block)
+            taken += n
 
     def take_edits(self) -> TableEdits | None:
         if not self._edits:
             return None
         edits, self._edits = self._edits, {}
         return TableEdits([r for r, _ in edits], [c for _, c in edits], list(edits.values()))
+
+
+@dataclass(slots=True)
+class PoolGrowth:
+    """One pool's blocks that a `_reserve` call hands out: what is left to hand out, and each slot's growth, taken from
+    the pool in one allocation at the end of the call."""
+    pool: PlannedBlocks
+    ahead: int                       # how far the pool's draft rounds write past a verify (`_reaches`)
+    block_size: int
+    available: int                   # blocks not yet handed out
+    slots: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
 
 
 class PrefillOrder(enum.Enum):
@@ -147,6 +160,7 @@ class RequestState:
     cached_tokens: int = 0           # of those, found in the prefix cache (mapped, not recomputed)
     prefilled: int = 0               # of those, in the KV once the tasks committed so far ran
     blocks_cover: int = -1           # the longest length (plus a step) its blocks cover in every pool (_reserve)
+    reserved_in: int = -1            # the schedule call that found blocks for its next verify, until one is planned
 
     @property
     def id(self) -> str:
@@ -258,7 +272,8 @@ class VerifyPlan:
 
     @property
     def drafted(self) -> int:
-        return sum(i >= 0 for i in self.draft_index)
+        """Rows with drafts."""
+        return len(self.draft_index) - self.draft_index.count(-1)
 
 
 @dataclass
@@ -321,6 +336,8 @@ class Scheduler:
         self._admissions = 0
         self._waiting_for_blocks: set[int] = set()   # id() of members `_grow` could not extend this step
         self._committed: list[RequestState] = []     # riders of the tasks committed since the last schedule
+        self._calls = 0                              # schedule calls so far (RequestState.reserved_in)
+        self._ended = False                          # a request finished or was aborted since the last retire
         self._kv_changed()
 
     # ---- KV blocks -----------------------------------------------------------------------------
@@ -352,31 +369,53 @@ class Scheduler:
         # sequence, which the round drafted behind the verify extends by up to k + 1
         return [(pool, min(length + k + ahead, self._cap)) for pool, ahead in self._pools]
 
-    def _reserve(self, s: RequestState) -> bool:
-        """Blocks for s's next verify in every model, all or nothing; False when a pool is short."""
-        r = s.request
-        k = self._step_tokens
-        # `_reaches` inline, for the common case: every pool already covers it (a block lasts several steps)
-        length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
-        if length <= s.blocks_cover:   # mostly: a block lasts several steps
-            return True
-        slot = r.slot
-        # a pool grows every few steps per rider: one pass that checks every pool and works out what the blocks
-        # will cover (as `length` counts it; a full table covers any length), then the growth, all or nothing
-        cap, cover, wants = self._cap, UNBOUNDED, []
-        for pool, ahead in self._pools:
-            held = len(pool.held[slot])
-            missing = -(-min(length + ahead, cap) // pool.block_size) - held
+    def _reserve(self, states: list[RequestState]) -> list[RequestState]:
+        """Blocks for the next verify of each of `states` in every model, each all or nothing, in order -> those a
+        pool is short for (the others' blocks cover it). Runs for a step's riders: a rider found covered in this call
+        and not planned since is not looked at again, the check is kept to a few operations, and each pool's growth
+        is taken in one allocation at the end."""
+        k, call = self._step_tokens, self._calls
+        short = []
+        growth: list[PoolGrowth] | None = None   # once some rider grows
+        for s in states:
+            if s.reserved_in == call:   # covered when `_grow` looked, and no verify planned since
+                continue
+            r = s.request
+            # `_reaches` inline, for the common case: every pool already covers it (a block lasts several steps)
+            length = len(r.prompt_ids) + (len(r.output_ids) or 1) + (k + 1) * (s.inflight - s.prefill_tasks) + k
+            if length > s.blocks_cover:
+                if growth is None:
+                    growth = [PoolGrowth(pool, ahead, pool.block_size, pool.num_available)
+                              for pool, ahead in self._pools]
+                if not self._plan_growth(s, length, growth):
+                    short.append(s)
+                    continue
+            s.reserved_in = call
+        for g in growth or ():
+            if g.slots:
+                g.pool.grow(g.slots, g.counts)
+        return short
+
+    def _plan_growth(self, s: RequestState, length: int, growth: list[PoolGrowth]) -> bool:
+        """Add the blocks each pool lacks for s to reach `length` (and the pool's rounds their `ahead` past it) to
+        `growth`, and note what its blocks will then cover (as `length` counts it; a full table covers any length);
+        False, nothing added, when a pool has too few left."""
+        slot, cap, cover, wants = s.request.slot, self._cap, UNBOUNDED, []
+        for g in growth:
+            held = len(g.pool.held[slot])
+            missing = -(-min(length + g.ahead, cap) // g.block_size) - held
             if missing > 0:
-                if missing > pool.num_available:
+                if missing > g.available:
                     return False
-                wants.append((pool, missing))
+                wants.append((g, missing))
                 held += missing
-            covered = held * pool.block_size
-            if covered < cap and covered - ahead < cover:
-                cover = covered - ahead
-        for pool, missing in wants:
-            pool.grow(slot, missing)
+            mapped = held * g.block_size
+            if mapped < cap and mapped - g.ahead < cover:
+                cover = mapped - g.ahead
+        for g, missing in wants:
+            g.available -= missing
+            g.slots.append(slot)
+            g.counts.append(missing)
         s.blocks_cover = cover
         return True
 
@@ -424,6 +463,7 @@ class Scheduler:
         """Mark it aborted; True when it was waiting and so is finished now (a running one is retired by the
         next `schedule`, once its slot is no longer written)."""
         state.aborted = True
+        self._ended = True
         if state in self.waiting:
             self.waiting.remove(state)
             state.status = Status.FINISHED
@@ -457,7 +497,10 @@ class Scheduler:
             state.request.slot = None
 
     def finish(self, state: RequestState) -> None:
+        """state ended (its tokens stopped it, or it was aborted): the next `schedule` drops it from its batch, and
+        its slot and blocks are freed once no task in flight writes them."""
         state.status = Status.FINISHED
+        self._ended = True
         self.release(state)
 
     def fail_all(self) -> list[RequestState]:
@@ -558,14 +601,18 @@ class Scheduler:
 
     # ---- membership ----------------------------------------------------------------------------
     def _retire(self) -> list[RequestState]:
-        """Drop done requests from the batches; -> the aborted ones, finished now."""
+        """Drop done requests from the batches; -> the aborted ones, finished now. Only after a request ended
+        (`finish`, `abort`): most steps retire nobody."""
+        if not self._ended:
+            return []
+        self._ended = False
         aborted = []
         for b, batch in enumerate(self.batches):
             for s in batch:
                 if s.done:
                     break
             else:
-                continue   # most steps retire nobody
+                continue
             keep = []
             for s in batch:
                 if s.request.finished:
@@ -636,11 +683,10 @@ class Scheduler:
         when a pool runs short, the most recently admitted members with nothing in flight are preempted until
         the rest fit (vLLM's recompute preemption). -> the preempted, most recent first."""
         preempted = []
-        short = [s for batch in self.batches for s in batch
-                 if s.inflight == s.prefill_tasks and s.ready and not self._reserve(s)]
+        short = self._reserve([s for batch in self.batches for s in batch if s.inflight == s.prefill_tasks and s.ready])
         self._waiting_for_blocks.clear()
         for s in sorted(short, key=lambda s: s.admitted_at):
-            while s.status is Status.RUNNING and not self._reserve(s):
+            while s.status is Status.RUNNING and self._reserve([s]):
                 victim = self._victim()
                 if victim is None or victim.admitted_at < s.admitted_at:
                     # only requests admitted before it are idle: it waits for tasks in flight to end
@@ -711,6 +757,7 @@ class Scheduler:
         """Membership changes (retire, admit, place, rebalance) and the next verify of every batch with room in
         its chain. Runs when batch `committed` has just been committed (None: from idle)."""
         assert self.kv, "the KV pools are not attached (attach_kv)"
+        self._calls += 1
         plan = SchedulePlan(finished=self._retire())
         if self.config.prefix_caching:   # the requests whose tasks committed since: their K/V grew
             for s in self._committed:
@@ -882,10 +929,12 @@ class Scheduler:
         # everything the step needs is in the verifier's slot state, otherwise a request rides when its state is
         # committed, or only its prefill is ahead of it. And when it has the blocks the verify writes (mostly
         # `_grow` or its admission gave them; a second verify queued in sd and ar takes more, as does a restarted
-        # drafter's pool); without them it rides a later one
-        any_inflight, waiting = self.depth > 1, self._waiting_for_blocks
-        rows = [s for s in self.batches[b] if s.ready and (any_inflight or s.inflight == s.prefill_tasks)
-                and (not waiting or id(s) not in waiting) and self._reserve(s)]
+        # drafter's pool); without them it rides a later one. A member `_grow` covered in this call meets them all
+        any_inflight, waiting, call = self.depth > 1, self._waiting_for_blocks, self._calls
+        candidates = [s for s in self.batches[b] if s.reserved_in == call or (
+            s.ready and (any_inflight or s.inflight == s.prefill_tasks) and (not waiting or id(s) not in waiting))]
+        short = self._reserve(candidates)
+        rows = [s for s in candidates if s not in short] if short else candidates
         regime = self.regime(b)
         fused = None
         if carry is not None:
@@ -943,6 +992,7 @@ class Scheduler:
                     index[i] = offset + j
         for s in rows:
             s.inflight += 1
+            s.reserved_in = -1   # its next verify writes further
         self.queued[b] += 1
         if regime in ("psd", "seq") and self.drafter_alive:
             verify.next_round = self._plan_next_round(b, verify)
@@ -967,12 +1017,12 @@ class Scheduler:
         rows, built = [], {}
         for member, s in enumerate(batch):
             vrow = member if at_verify is None else at_verify.get(id(s), -1)
-            if s.done or not s.ready or s.inflight != (vrow >= 0) + s.prefill_tasks:
-                continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
             # the drafter's slot holds every token but the last two of the sequence the row ends with: after
             # a round that drafted it (accepted drafts included), or a prompt the drafter prefilled
-            if vrow >= 0:
+            if vrow >= 0:   # a rider of the verify: live, its prompt planned, in flight there and in its prefill only
                 last, all_but_two = verify.seq, draft_index[vrow] >= 0
+            elif s.done or not s.ready or s.inflight != s.prefill_tasks:
+                continue   # in flight elsewhere too (moved from the other batch): its tokens are not all here
             elif not self._covered(s):
                 continue   # no blocks for its drafts yet (the verify left it out for that)
             else:
