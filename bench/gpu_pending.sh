@@ -12,6 +12,8 @@
 # PART 3: runtime parity ar m=64; real traffic ar: padded vs fused vs fused in arrival order, long prompts (#24).
 # PART 4: real traffic sd (padded, fused); serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
 # PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct (200 s each: sd's offline run and app start take ~110 s); ar max_batch 256 direct (#22).
+# PART 6: serve vs offline at max_batch 256 (1,024 requests): ar with two direct ingress replicas (clients spread
+# over both URLs), sd k=2 direct with one (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say.
@@ -68,7 +70,13 @@ case "${1:?PART}" in
   step serve_ar256_direct 150 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_ar256_direct"
   ;;
-*) echo "PART is 1-5" >&2; exit 2 ;;
+6)
+  step serve_ar256_direct2 200 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
+    --loads '' --ingress-cpus 1 --ingress-replicas 2 --ingress-http direct --label direct2 --out "$OUT/serve_ar256_direct2"
+  step serve_sd256_direct 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 256 --n-requests 1024 \
+    --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd256_direct"
+  ;;
+*) echo "PART is 1-6" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
