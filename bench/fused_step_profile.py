@@ -5,7 +5,8 @@ real-traffic prompts (lognormal, median 300, P99 3000 tokens, seed 0), time
 - decode: ModelRunner.step of the rows (chunk_tokens 0);
 - fused: ModelRunner.step_with_chunks of the same rows and one prompt chunk of C tokens continuing a prompt at
   each of --chunk-starts (its first chunk, the middle and the end of a long prompt: the chunk attends its earlier
-  tokens too);
+  tokens too), under each graph bucket set of --bucket-sets (`fine`: the runner's PACKED_GRAPH_TOKENS; `pow2`: the
+  doubling token counts it had before, 16..1024), so a launch's padding is timed against its real size in one call;
 for every batch in --batches and C in --chunks; over_decode = fused / decode of the same rows, the factor by which
 a running request's gap grows while the chunk rides (issue 24's target: at most 2).
 - rows_attention: the rows' attention of one layer alone, three ways on the same tensors: `decode` (a decode step's
@@ -23,6 +24,8 @@ gemm_tflop: the launch's linear-layer FLOPs (tokens after graph padding x 2 x we
 
     python -m bench.fused_step_profile                 # one H200, about two minutes
     python -m bench.fused_step_profile --smoke         # CPU: tiny shape, fp32, seconds
+    python -m bench.fused_step_profile --batches 32 --chunks 0,224,256,352,480 --chunk-starts 1024 \
+        --bucket-sets fine,pow2 --kernel-chunks ''     # launches between buckets: fine vs doubling buckets
 The GPU machine gets the tree without .git: pass GIT_SHA=<sha> in the environment to record it.
 """
 from __future__ import annotations
@@ -41,15 +44,17 @@ import torch
 from bench.common import (markdown_table, run_context, say, synchronize, time_steps, versions, write_results)
 from minedraft_ray.engine.loader import load_model
 from minedraft_ray.engine.presets import resolve_model
-from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner
+from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner, token_bucket
 
 NAME = "fused_step_profile"
-COLUMNS = ["part", "variant", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
+COLUMNS = ["part", "variant", "buckets", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
            "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
            "us", "share", "shape", "dtype", "git_sha", "command", "device"]
-TABLE = ["part", "variant", "batch", "chunk_tokens", "chunk_start", "launch_tokens", "graph_tokens", "ms",
+TABLE = ["part", "variant", "buckets", "batch", "chunk_tokens", "chunk_start", "launch_tokens", "graph_tokens", "ms",
          "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles"]
 BLOCK_N = 64   # the key tile both layouts walk
+# graph token buckets of packed launches: the runner's, and the doubling ones it had before finer steps above 256
+BUCKET_SETS = {"fine": PACKED_GRAPH_TOKENS, "pow2": (16, 32, 64, 128, 256, 512, 1024)}
 
 
 def contexts(batch: int, max_context: int, seed: int = 0) -> list[int]:
@@ -70,7 +75,15 @@ def gemm_tflop(cfg, tokens: int) -> float:
 
 def graph_tokens(runner: ModelRunner, tokens: int) -> int:
     """The token count a packed launch runs at: its graph bucket, or itself when eager."""
-    return next((n for n in runner.packed_buckets if n >= tokens), tokens)
+    return token_bucket(tokens, runner.packed_buckets) or tokens
+
+
+def use_buckets(runner: ModelRunner, name: str) -> None:
+    """Packed launches of `runner` take the graph buckets of BUCKET_SETS[name] from now on (graphs are keyed by
+    their token count, so the sets share the ones they have in common); a runner without packed graphs (a CPU's)
+    stays without."""
+    if runner.packed_buckets:
+        runner.packed_buckets = [n for n in BUCKET_SETS[name] if n <= runner.max_prefill_tokens]
 
 
 def rows_plan(lengths: list[int], groups: int, kv_heads: int, head_dim: int, max_keys: int, sm_count: int,
@@ -100,9 +113,9 @@ def rows_plan(lengths: list[int], groups: int, kv_heads: int, head_dim: int, max
 
 @torch.inference_mode()
 def time_steps_of(runner: ModelRunner, batch: int, chunks: list[int], chunk_starts: list[int], reps: int,
-                  warmup: int, emit) -> None:
-    """The decode step of `batch` rows, then a fused step per chunk start and chunk size (0 in `chunks`: the
-    decode step)."""
+                  warmup: int, emit, bucket_sets: list[str]) -> None:
+    """The decode step of `batch` rows, then a fused step per chunk start, chunk size (0 in `chunks`: the decode
+    step) and graph bucket set (on a CPU, without graphs, the sets change nothing)."""
     device, cfg = runner.device, runner.cfg
     lengths = contexts(batch, runner.max_len - 8)
     slots = torch.arange(batch, device=device)
@@ -116,21 +129,26 @@ def time_steps_of(runner: ModelRunner, batch: int, chunks: list[int], chunk_star
         runner.set_lengths(list(range(batch)), lengths)
 
     decode_ms = None
-    for start, chunk in [(None, 0)] + [(start, c) for start in chunk_starts for c in chunks if c]:
+    steps = [(None, 0, None)] + [(start, c, name) for start in chunk_starts for c in chunks if c
+                                 for name in bucket_sets]
+    for start, chunk, buckets in steps:
         if chunk == 0:
             step = lambda: runner.step(slots, ids)   # noqa: E731
         else:
+            use_buckets(runner, buckets)
             tokens = prompt[start:start + chunk]
             step = lambda: runner.step_with_chunks(slots, ids, [chunk_slot], [start], [tokens])   # noqa: E731
-        times = sorted(time_steps(step, device, warmup, reps, f"b={batch} chunk={chunk}@{start}", before=reset))
+        times = sorted(time_steps(step, device, warmup, reps, f"b={batch} chunk={chunk}@{start} {buckets or ''}",
+                                  before=reset))
         ms = times[len(times) // 2]
         decode_ms = ms if chunk == 0 else decode_ms
         launch = batch + chunk
         padded = graph_tokens(runner, launch) if chunk else launch
-        emit({**common, "part": "step", "variant": "decode" if chunk == 0 else "fused", "chunk_tokens": chunk,
-              "chunk_start": start, "launch_tokens": launch, "graph_tokens": padded, "ms": ms,
+        emit({**common, "part": "step", "variant": "decode" if chunk == 0 else "fused", "buckets": buckets,
+              "chunk_tokens": chunk, "chunk_start": start, "launch_tokens": launch, "graph_tokens": padded, "ms": ms,
               "ms_p90": times[int(len(times) * 0.9)], "over_decode": ms / decode_ms,
               "gemm_tflop": gemm_tflop(cfg, padded)})
+    use_buckets(runner, "fine")
 
 
 @torch.inference_mode()
@@ -271,7 +289,9 @@ def parse(argv):
     p.add_argument("--chunk-starts", default="0,1024,2816", help="prompt tokens the chunk's slot already holds: "
                    "a prompt's first chunk, its middle, near its end")
     p.add_argument("--kernel-chunks", default="64,128,512", help="chunk tokens of the profiled fused steps (each "
-                   "at every chunk start)")
+                   "at every chunk start; '': no kernel tables)")
+    p.add_argument("--bucket-sets", default="fine", help="graph bucket sets the fused steps are timed under, of "
+                   f"{', '.join(BUCKET_SETS)} (fine: the runner's; pow2: the doubling ones before it)")
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--profile-batch", type=int, default=32)
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps per kernel table (their mean)")
@@ -287,7 +307,10 @@ def parse(argv):
     args.batches = [int(b) for b in args.batches.split(",")]
     args.chunks = sorted({int(c) for c in args.chunks.split(",")} | {0})
     args.chunk_starts = [int(c) for c in args.chunk_starts.split(",")]
-    args.kernel_chunks = [int(c) for c in args.kernel_chunks.split(",")]
+    args.kernel_chunks = [int(c) for c in args.kernel_chunks.split(",") if c]
+    args.bucket_sets = args.bucket_sets.split(",")
+    if not args.bucket_sets or any(b not in BUCKET_SETS for b in args.bucket_sets):
+        p.error(f"--bucket-sets: a list of {', '.join(BUCKET_SETS)}")
     if max(args.chunk_starts) + max(args.chunks + args.kernel_chunks) > args.max_len - 8:
         p.error("the latest chunk start plus the largest chunk must fit --max-len (less a verify's room)")
     return args
@@ -312,13 +335,15 @@ def main(argv: list[str] | None = None) -> int:
                      if v is not None))
 
     for batch in args.batches:
-        time_steps_of(runner, batch, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
+        time_steps_of(runner, batch, args.chunks, args.chunk_starts, args.reps, args.warmup, emit, args.bucket_sets)
         time_rows_attention(runner, batch, args.reps, args.warmup, emit)
     time_chunk_attention(runner, args.chunks, args.chunk_starts, args.reps, args.warmup, emit)
     profiled = [(0, None)] + [(c, start) for c in args.kernel_chunks for start in args.chunk_starts]
-    kernels = kernel_tables(runner, args.profile_batch, profiled, steps=args.profile_steps)
-    notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed buckets "
-             f"{', '.join(map(str, PACKED_GRAPH_TOKENS))} tokens); rows of one token (ar) on slots whose contexts are "
+    kernels = kernel_tables(runner, args.profile_batch, profiled, steps=args.profile_steps) if args.kernel_chunks \
+        else {}
+    sets = "; ".join(f"{name}: {', '.join(map(str, BUCKET_SETS[name]))}" for name in args.bucket_sets)
+    notes = [f"{args.target} (random weights), {context['dtype']}, graphs on (packed token buckets, `buckets`: "
+             f"{sets}); rows of one token (ar) on slots whose contexts are "
              "real-traffic prompts (lognormal median 300, P99 3000, seed 0) plus 0..255 output tokens; the chunk "
              f"continues a prompt at {', '.join(map(str, args.chunk_starts))} tokens (chunk_start)",
              "ms: median of the timed steps (CUDA events); over_decode: fused ms / decode ms at the same rows",
@@ -335,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                    for (chunk, start), table in kernels.items() for r in table]
     pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows + kernel_rows]),
                    out / f"{NAME}.parquet")
-    pivot, pivot_columns = kernel_pivot(kernels, top=30)
-    section = (f"\n## Kernels per step (b={args.profile_batch}, us per step, mean of 5 steps; fused C@S: a chunk of "
-               "C tokens from prompt position S)\n\n" + markdown_table(pivot, pivot_columns) + "\n")
-    path.write_text(path.read_text() + section)
+    if kernels:
+        pivot, pivot_columns = kernel_pivot(kernels, top=30)
+        section = (f"\n## Kernels per step (b={args.profile_batch}, us per step, mean of 5 steps; fused C@S: a chunk "
+                   "of C tokens from prompt position S)\n\n" + markdown_table(pivot, pivot_columns) + "\n")
+        path.write_text(path.read_text() + section)
     say(f"wrote {out / NAME}.{{parquet,md,png}}")
     return 0
 

@@ -12,7 +12,11 @@
 # PART 3: runtime parity ar m=64; real traffic ar: padded vs fused vs fused in arrival order, long prompts (#24).
 # PART 4: real traffic sd (padded, fused); serve vs offline ar max_batch 64, proxy (2 x 1 CPU) and direct (1 replica) (#22).
 # PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct (200 s each: sd's offline run and app start take ~110 s); ar max_batch 256 direct (#22).
-# PART 6: serve vs offline at max_batch 256 (1,024 requests): ar with two direct ingress replicas (clients spread
+# PART 6 (#24, graph buckets of 64 tokens above 256): the CUDA graph tests (the new buckets replay the eager
+# logits); fused steps whose launches fall between the old doubling buckets, timed under the fine buckets and the
+# old ones in one call (buckets column); real traffic ar at the GPU's default budget (fused:512) vs padded.
+# PART 7 (#24): real traffic sd at the default budget (fused:512) and at 384, each beside padded.
+# PART 8: serve vs offline at max_batch 256 (1,024 requests): ar with two direct ingress replicas (clients spread
 # over both URLs), sd k=2 direct with one (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
@@ -71,12 +75,27 @@ case "${1:?PART}" in
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_ar256_direct"
   ;;
 6)
+  step cuda_graphs_buckets 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
+  # b=16/32/64, chunks of 128..480: launches of 144..544 tokens, most between two doubling buckets (b=32, chunk 240:
+  # 272 tokens, run as a 320-token graph (fine) vs a 512 one (pow2)); 128 and b+chunk=512 pad alike in both
+  step fused_buckets 150 python -m bench.fused_step_profile --batches 16,32,64 --chunks 0,128,240,320,400,480 \
+    --chunk-starts 1024 --bucket-sets fine,pow2 --kernel-chunks '' --out "$OUT/fused_buckets"
+  step real_traffic_ar512 260 python -m bench.real_traffic --modes ar --engines padded,fused:512 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_ar512"
+  ;;
+7)
+  step real_traffic_sd512 280 python -m bench.real_traffic --modes sd --engines padded,fused:512 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd512"
+  step real_traffic_sd384 270 python -m bench.real_traffic --modes sd --engines padded,fused:384 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd384"
+  ;;
+8)
   step serve_ar256_direct2 200 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 2 --ingress-http direct --label direct2 --out "$OUT/serve_ar256_direct2"
   step serve_sd256_direct 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd256_direct"
   ;;
-*) echo "PART is 1-6" >&2; exit 2 ;;
+*) echo "PART is 1-8" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

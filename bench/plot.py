@@ -333,15 +333,16 @@ def plot_fused_step_profile(parquet, png) -> Path:
     rows = read_rows(parquet)
     fig, (steps, attn) = plt.subplots(1, 2, figsize=(12, 4.5))
     timed = [r for r in rows if r["part"] == "step"]
-    starts = sorted({r["chunk_start"] for r in timed if r["chunk_tokens"]})
+    # a line per chunk start and graph bucket set (runs before the sets have none)
+    lines = sorted({(r["chunk_start"], r.get("buckets") or "") for r in timed if r["chunk_tokens"]})
     for i, batch in enumerate(sorted({r["batch"] for r in timed})):
         decode = next((r for r in timed if r["batch"] == batch and r["chunk_tokens"] == 0), None)
-        for j, start in enumerate(starts):
+        for j, (start, buckets) in enumerate(lines):
             pts = [decode] * (decode is not None) + sorted(
-                (r for r in timed if r["batch"] == batch and r["chunk_tokens"] and r["chunk_start"] == start),
-                key=lambda r: r["chunk_tokens"])
-            steps.plot([r["chunk_tokens"] for r in pts], [r["ms"] for r in pts], ["-o", ":s", "-.^"][j % 3],
-                       color=f"C{i}", label=f"b={batch} @{start}")
+                (r for r in timed if r["batch"] == batch and r["chunk_tokens"] and r["chunk_start"] == start
+                 and (r.get("buckets") or "") == buckets), key=lambda r: r["chunk_tokens"])
+            steps.plot([r["chunk_tokens"] for r in pts], [r["ms"] for r in pts], ["-o", ":s", "-.^", "--x"][j % 4],
+                       color=f"C{i}", label=f"b={batch} @{start} {buckets}".rstrip())
         if decode:
             steps.axhline(2 * decode["ms"], color=f"C{i}", ls="--", lw=0.8)
     steps.set(xlabel="chunk tokens in the launch (0: decode step)", ylabel="ms per step",

@@ -105,8 +105,9 @@ def test_fused_step_profile_smoke(tmp_path):
     """The fused-step profile's --smoke form: a decode and fused steps per batch at every chunk start (the fused
     ones' over_decode against that batch's decode), both row layouts' plans (the rows mode never walks more tiles
     in one program than 16-row blocks do), and the kernels of the decode step and of a fused step per kernel chunk
-    and start, in one table by step, written with the command."""
-    proc = subprocess.run([sys.executable, "-m", "bench.fused_step_profile", "--smoke", "--out", str(tmp_path)],
+    and start, in one table by step, written with the command; each fused step under both graph bucket sets."""
+    proc = subprocess.run([sys.executable, "-m", "bench.fused_step_profile", "--smoke", "--bucket-sets", "fine,pow2",
+                           "--out", str(tmp_path)],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -116,6 +117,9 @@ def test_fused_step_profile_smoke(tmp_path):
         {(b, 0, None) for b in (2, 4)} | {(b, c, s) for b in (2, 4) for c in (8, 16) for s in (0, 24)}
     assert all(r["ms"] > 0 and r["launch_tokens"] == r["batch"] + r["chunk_tokens"] for r in steps)
     assert all(r["over_decode"] == 1.0 for r in steps if r["chunk_tokens"] == 0)
+    sets = [(r["batch"], r["chunk_tokens"], r["chunk_start"], r["buckets"]) for r in steps if r["chunk_tokens"]]
+    assert sorted(sets) == sorted((b, c, s, name) for b in (2, 4) for c in (8, 16) for s in (0, 24)
+                                  for name in ("fine", "pow2"))
     plans = {(r["batch"], r["variant"]): r for r in rows if r["part"].startswith("plan_")}
     for batch in (2, 4):
         assert plans[batch, "rows"]["programs"] > plans[batch, "blocks16"]["programs"]
@@ -128,7 +132,7 @@ def test_fused_step_profile_smoke(tmp_path):
         {(0, None)} | {(c, s) for c in (8, 16) for s in (0, 24)}
     assert all(r["us"] > 0 and r["batch"] == 4 for r in kernels)
     md = (tmp_path / "fused_step_profile.md").read_text()
-    assert "`python -m bench.fused_step_profile --smoke" in md and "## Kernels per step" in md
+    assert "`python -m bench.fused_step_profile --smoke --bucket-sets fine,pow2" in md and "## Kernels per step" in md
     header = next(line for line in md.splitlines() if line.startswith("| kernel |"))
     assert header == "| kernel | decode | fused 8@0 | fused 8@24 | fused 16@0 | fused 16@24 |"
     assert "| total (all kernels) |" in md

@@ -26,8 +26,9 @@ def _greedy(runner, slots, first, steps):
 
 
 # lengths, the padded path's graph shape (rows, padded length), the packed path's graph bucket (tokens)
-CASES = [([5], (1, 16), 16), ([31, 33], (2, 48), 64), ([7, 64, 100], (4, 128), 256),
-         ([200, 3, 9, 250], (4, 256), 512), ([513], None, 1024), ([300] * 3, None, 1024), ([500, 530], None, None)]
+CASES = [([5], (1, 16), 16), ([31, 33], (2, 48), 64), ([7, 64, 100], (4, 128), 256), ([300], (1, 384), 320),
+         ([100, 250], (2, 256), 384), ([200, 3, 9, 250], (4, 256), 512), ([513], None, 640),
+         ([300] * 3, None, 1024), ([500, 530], None, None)]
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -55,7 +56,7 @@ def test_cuda_graphed_prefill_matches_eager(tiny_llama, lengths, shape, bucket, 
 
 
 @pytest.mark.parametrize("q", [1, 4])
-@pytest.mark.parametrize("chunk_lengths", [[5], [40, 3], [300], [500, 200], [550, 500]])
+@pytest.mark.parametrize("chunk_lengths", [[5], [40, 3], [300], [250, 120], [440], [500, 200], [550, 500]])
 def test_cuda_graphed_fused_step_matches_separate_launches(tiny_llama, q, chunk_lengths):
     """A verify's rows and prompt chunks in one launch (step_with_chunks), graphed by token count and row count
     (or eager past the largest bucket), give the logits and lengths of the separate graphed launches: the ids and
@@ -106,3 +107,29 @@ def test_cuda_fused_rows_of_an_uncaptured_width_take_a_captured_graph(tiny_llama
     assert set(fused._fused_graphs) == before
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_fused_graphs_cover_the_budget_in_fine_buckets(tiny_llama):
+    """Fused graphs are captured at start for launches within the budget only (a fused launch never exceeds it),
+    in every token bucket up to the budget's, so a fused step of any size up to it replays a captured graph, with
+    the separate launches' logits; one past the budget still runs (its graph captured then)."""
+    fused, separate = _runners(tiny_llama)
+    fused.capture_all((4, 1), DecodeRows(16, 4), fused_tokens=300)
+    captured = {tokens for tokens, _ in fused._fused_graphs}
+    assert captured == {16, 32, 64, 128, 256, 320} == set(fused.fused_buckets(300))
+    gen = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 57, 130)]
+    ids = torch.randint(3, 500, (3, 4), generator=gen).cuda()
+    slots = torch.tensor([0, 2, 1], device="cuda")
+    for runner in (fused, separate):
+        runner.prefill([0, 2, 1], contexts)
+    for chunk_len, new in ((288, set()), (150, set()), (360, {(384, DecodeRows(16, 4))})):   # 300, 162, 372 tokens
+        chunk = torch.randint(3, 500, (chunk_len,), generator=gen).tolist()
+        before = set(fused._fused_graphs)
+        got, got_chunks = (t.clone() for t in fused.step_with_chunks(slots, ids, [5], [0], [chunk]))
+        want_chunks = separate.prefill_chunks([5], [0], [chunk]).clone()
+        want = separate.step(slots, ids).clone()
+        assert set(fused._fused_graphs) - before == new
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-4, atol=1e-4)
+        assert fused.cache.lengths.tolist() == separate.cache.lengths.tolist()

@@ -6,7 +6,7 @@ import torch
 from minedraft_ray.engine.attention import attend_packed_reference
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.loader import load_model
-from minedraft_ray.engine.runner import ModelRunner, plan_pieces
+from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner, plan_pieces, token_bucket
 from minedraft_ray.engine.sampling import SamplingParams
 
 from paging import paginate
@@ -122,6 +122,23 @@ def test_plan_pieces_cover_lists_in_order_under_budget(budget):
         mine = [p for p in pieces if p.index == index]
         assert mine[0].start == 0 and mine[-1].stop == length
         assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+
+
+def test_graph_buckets_pad_a_launch_within_the_gpu_default_budget_by_under_64_tokens():
+    """The packed graphs' token buckets at the GPU's default per-step budget: the budget is a bucket (a full
+    launch, which the scheduler fills to it, pads nothing), and a launch of any other size up to it (a prompt's
+    last chunk, with or without a verify's rows) pads by fewer than 64 tokens above 256 tokens, where a launch's
+    time grows with its tokens; below, by at most its own size (the steps double)."""
+    from minedraft_ray.runtime.manager import default_prefill_chunk
+
+    budget = default_prefill_chunk(on_gpu=True)
+    assert token_bucket(budget, PACKED_GRAPH_TOKENS) == budget
+    for tokens in range(1, budget + 1):
+        padded = token_bucket(tokens, PACKED_GRAPH_TOKENS)
+        assert padded >= tokens and padded <= max(2 * tokens, PACKED_GRAPH_TOKENS[0])
+        if tokens > 256:
+            assert padded - tokens < 64, f"a launch of {tokens} tokens runs as {padded}"
+    assert token_bucket(PACKED_GRAPH_TOKENS[-1] + 1, PACKED_GRAPH_TOKENS) is None   # eager past the largest
 
 
 def test_bad_extend_calls(tiny_llama):

@@ -656,6 +656,63 @@ def test_psd_takes_the_whole_budget_while_nothing_decodes():
     assert fused == [] and sched.launch_budget() == 8
 
 
+def chunk_launches(mode: str, batch: int, prompt_lens: list[int], budget: int) -> list[list[int]]:
+    """`batch` requests decode (ar, or sd at k = K), then prompts of `prompt_lens` tokens arrive one after the
+    other, each once the one before has its first token; the manager schedules after every verify (and when
+    nothing is in flight) -> for each prompt, the tokens of the packed launches its chunks made, in order: a fused
+    verify's (its rows' and the chunk's) or a chunk's alone."""
+    width = 1 if mode == "ar" else K + 1
+    sched = make_scheduler(mode, batch + 1, 2, budget, block_size=64, fuse=True, max_len=max(prompt_lens) + 64)
+    driver = Driver(sched, schedule_after_prefill=False)
+    accept_all = lambda num_drafts: [7] * (num_drafts + 1)   # noqa: E731
+    for _ in range(batch):
+        driver.arrive(1, 120, False)
+    while not all(s.ready and s.request.output_ids for s in driver.states):
+        driver.complete(accept_all)
+    launches, schedule = [], sched.schedule
+
+    def recording(committed):
+        plan = schedule(committed)
+        launches.extend(len(v.rows) * width + v.prefill.num_tokens for v in plan.verifies if v.prefill is not None)
+        launches.extend(p.num_tokens for p in plan.prefills)
+        return plan
+    sched.schedule = recording
+    per_prompt = []
+    for n in prompt_lens:
+        driver.arrive(n, 1, False)
+        prompt = driver.states[-1]
+        while not prompt.request.finished:
+            driver.complete(accept_all)
+        per_prompt.append(launches[:])
+        launches.clear()
+    assert not any(s.request.finished for s in driver.states[:batch]), "a decoding request finished: rows changed"
+    return per_prompt
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_chunk_launches_fill_the_gpu_default_budget_and_pad_little(mode):
+    """At the GPU's default per-step budget and batch sizes up to 256: while requests decode, a long prompt's chunks
+    fill every launch to exactly the budget (fused: the verify's rows plus the chunk, the chunk being the budget less
+    the rows; alone where the rows fill the budget), which is a graph bucket, so only the launch of its last chunk
+    can pad, and that one, of any size, pads by fewer than 64 tokens to its bucket above 256 tokens (where a
+    launch's time grows with its tokens: runner.PACKED_GRAPH_TOKENS)."""
+    from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, token_bucket
+    from minedraft_ray.runtime.manager import default_prefill_chunk
+
+    budget = default_prefill_chunk(on_gpu=True)
+    width = 1 if mode == "ar" else K + 1
+    for batch in (1, 16, 64, 100, 128, 256):
+        rows = batch * width
+        fused = rows < budget
+        # the last launch's tokens: two full launches, then one of `last` tokens
+        lasts = [n for n in (300, 449, 511) if n > rows] if fused else [300, 449]
+        prompts = [2 * (budget - rows) + last - rows if fused else 2 * budget + last for last in lasts]
+        for last, launches in zip(lasts, chunk_launches(mode, batch, prompts, budget)):
+            assert launches == [budget, budget, last], (batch, launches)
+            padded = token_bucket(last, PACKED_GRAPH_TOKENS)
+            assert padded - last < 64, f"batch {batch}: a launch of {last} tokens runs as {padded}"
+
+
 def test_psd_splits_and_rebalances_a_burst():
     """A plain run: psd with the split forced holds 2 x max_batch, in two batches that stay balanced as
     requests of different lengths finish, and every request is drafted in every verify it rides."""

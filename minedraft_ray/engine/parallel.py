@@ -232,7 +232,8 @@ class ShardedRunner(ModelRunner):
                 self.tp.broadcast_device(torch.stack([slots, num_tokens]))
             super().rollback(slots, num_tokens)
 
-    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None,
+                    fused_tokens: int | None = None) -> None:
         """As ModelRunner's, without fused steps' graphs: a fused step here is its two calls."""
         if not self.use_graphs:
             return

@@ -49,8 +49,20 @@ TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
 PREFILL_GRAPH_ROWS = (1, 2, 4)
 PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
-# Graphed packed launches: token counts, a launch padded up to the next one (at most 2x, and few tokens)
-PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+# Graphed packed launches: token counts, a launch padded up to the next one. Up to 256 tokens an 8B launch's time
+# hardly grows with its tokens (weight reads and fixed costs), so doubling steps cost little; above, it grows about
+# linearly with them, so the steps are 64 tokens up to 512 (the GPU's default budget: a fused launch or a chunk of
+# any size up to it pads by < 64 tokens) and 128 beyond (docs/design.md)
+PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# a fused launch's static count of row tokens (their attention takes a program per row up to it): doubling steps,
+# a few per token bucket, as the rows' count only picks the attention's layout
+ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def token_bucket(tokens: int, buckets) -> int | None:
+    """The smallest of the ascending `buckets` that holds `tokens` tokens; None past the largest (eager)."""
+    i = bisect.bisect_left(buckets, tokens)
+    return buckets[i] if i < len(buckets) else None
 
 
 @dataclass(frozen=True)
@@ -236,18 +248,23 @@ class ModelRunner:
         return graph
 
     @torch.inference_mode()
-    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None) -> None:
+    def capture_all(self, qs: tuple[int, ...], fused: DecodeRows | None = None,
+                    fused_tokens: int | None = None) -> None:
         """Capture every prefill shape and every bucket for each q up front (largest first, so the shared
         pool is sized once). fused: the most row tokens a fused step holds and its rows' width (step_with_chunks;
-        None: none will run), whose launches' graphs are captured too."""
+        None: none will run), whose launches' graphs are captured too: those of up to `fused_tokens` tokens (the
+        per-step budget, which bounds a fused launch; None: every token bucket)."""
         if not self.use_graphs:
             return
         if self.packed_prefill:
+            fused_at = set(self.fused_buckets(fused_tokens)) if fused is not None else set()
             for tokens in reversed(self.packed_buckets):
                 if tokens not in self._packed_graphs:
                     self._packed_graphs[tokens] = self._capture_packed(tokens)
-                most = fused.tokens if fused is not None else 0
-                for row_tokens in sorted({self._row_bucket(r, tokens) for r in PACKED_GRAPH_TOKENS if r <= most}
+                if tokens not in fused_at:
+                    continue
+                most = fused.tokens
+                for row_tokens in sorted({self._row_bucket(r, tokens) for r in ROW_BUCKETS if r <= most}
                                          | ({self._row_bucket(most, tokens)} if most else set())):
                     key = (tokens, DecodeRows(row_tokens, fused.width))
                     if key not in self._fused_graphs:
@@ -313,7 +330,7 @@ class ModelRunner:
         rows: the tokens at the front those rows hold and their width (graphed: up to the next row bucket)."""
         tokens = launch.num_tokens
         host = np.stack([launch.token_ids, launch.token_slots, launch.offsets])  # [3, T]: one copy
-        bucket = next((n for n in self.packed_buckets if n >= tokens), None)
+        bucket = token_bucket(tokens, self.packed_buckets)
         if bucket is None:
             packed = to_device(host, self.device)
             if fill is not None:
@@ -347,11 +364,16 @@ class ModelRunner:
         forward = lambda: self.model.forward_packed(packed[0], self.cache, packed[1], packed[2], rows)  # noqa: E731
         return self._graph(bufs, forward, output="hidden"), bufs
 
+    def fused_buckets(self, fused_tokens: int | None = None) -> list[int]:
+        """The token buckets a fused launch of at most `fused_tokens` tokens (None: any) may replay."""
+        top = token_bucket(fused_tokens, self.packed_buckets) if fused_tokens is not None else None
+        return [n for n in self.packed_buckets if top is None or n <= top]
+
     @staticmethod
     def _row_bucket(rows: int, bucket: int) -> int:
-        """A fused graph's static count of row tokens: the next token bucket up from `rows`, within `bucket` (chunk
+        """A fused graph's static count of row tokens: the next row bucket up from `rows`, within `bucket` (chunk
         tokens below it take the rows' programs, which is correct, only slower)."""
-        return min(next((n for n in PACKED_GRAPH_TOKENS if n >= rows), bucket), bucket)
+        return min(token_bucket(rows, ROW_BUCKETS) or bucket, bucket)
 
     # ---- padded path ---------------------------------------------------------------------------
     def _extend_padded(self, slots: list[int], token_lists: list[list[int]]) -> torch.Tensor:

@@ -162,11 +162,12 @@ class _Worker:
                 fused: DecodeRows | None = None) -> ModelRunner:
         """`model` on this device with a pool of `num_blocks` KV blocks (handed out by the scheduler); on CUDA its
         graphs for every batch bucket and step width are captured now (and those of fused steps of up to
-        `fused.tokens` row tokens), so the first requests do not pay for captures (and the compiles inside them)."""
+        `fused.tokens` row tokens, in launches within the per-step budget), so the first requests do not pay for
+        captures (and the compiles inside them)."""
         runner = ModelRunner(model, self.device, self.num_slots, self.config.max_len, self.config.max_running,
                              self.config.cuda_graphs, self.vocab_limit, self.config.packed_prefill,
                              block_size=self.config.block_size, num_blocks=num_blocks)
-        runner.capture_all(step_widths, fused)
+        runner.capture_all(step_widths, fused, self.config.prefill_chunk_tokens or None)
         return runner
 
     def _load_target(self, group: Rendezvous | None, rank: int):
