@@ -104,7 +104,7 @@ class Request:
     def draft_feed(self) -> tuple[int, list[int]]:
         """What the drafter must be fed for this request: (the tokens of the sequence its slot already holds, at
         most seq_len - 2, and the tokens past them; from the start for a one-token prompt)."""
-        valid = max(0, min(self.draft_valid, self.seq_len - 2))
+        valid = max(0, min(self.draft_valid, len(self.prompt_ids) + len(self.output_ids) - 2))
         return valid, self.tail(valid)
 
     def span(self, start: int, stop: int) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+from itertools import compress
 import logging
 import statistics
 import time
@@ -506,15 +507,18 @@ class BatchManager:
                                          logprobs=result.logprobs[:rows] if result.logprobs is not None else None)
         k = self.k
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
-        record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
+        drafted = verify.drafted
+        record = StepRecord(verify.regime, (0, 0), len(verify.rows), drafted, t_draft_ms=t_draft,
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
-        record.emitted = sum(len(t) for t in result.tokens)
-        record.draft_tokens = sum(num_drafts)
-        record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
+        lengths = list(map(len, result.tokens))
+        record.emitted = sum(lengths)
+        record.draft_tokens = k * drafted
+        # a drafted row's tokens past its first are accepted drafts
+        record.accepted = (record.emitted if drafted == len(lengths) else sum(compress(lengths, num_drafts))) - drafted
         self.sched.commit_verify(verify)
         record.streamed = self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
         record.t_emit = time.time()
