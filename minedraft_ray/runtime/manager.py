@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from itertools import compress
 import logging
 import statistics
 import time
@@ -518,7 +517,8 @@ class BatchManager:
         record.emitted = sum(lengths)
         record.draft_tokens = k * drafted
         # a drafted row's tokens past its first are accepted drafts
-        record.accepted = (record.emitted if drafted == len(lengths) else sum(compress(lengths, num_drafts))) - drafted
+        drafted_tokens = record.emitted if drafted == len(lengths) else sum(itertools.compress(lengths, num_drafts))
+        record.accepted = drafted_tokens - drafted
         self.sched.commit_verify(verify)
         record.streamed = self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
         record.t_emit = time.time()
