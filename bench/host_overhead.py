@@ -4,7 +4,10 @@
 
 The host overhead of a step is the manager's own time in it: from the verifier's result arriving to the next
 tasks submitted and the step recorded (commit, schedule, submit: StepRecord.host_ms, measured alike in both
-trees). Each run is a fresh process (its own local Ray, two logical GPUs, the psd regime forced) generating a
+trees). The change prefills whole prompts by default, as the parent (which predates chunked prefill) does: both
+trees then run the same steps (16 rows each at max_batch 16). Under the change's chunked default the burst's
+prompts join over several fused steps, so its batches fill late and drain late: more steps, fewer rows in some,
+a prompt chunk in others (`--prefill-chunk-tokens -1` measures that). Each run is a fresh process (its own local Ray, two logical GPUs, the psd regime forced) generating a
 fixed greedy workload; runs alternate between the two trees so that load on a shared machine falls on both.
 One run needs only the public API both trees have (LLM, SamplingParams, history), so this file runs against
 any tree: `--one` measures the tree on PYTHONPATH and prints one JSON row.
@@ -24,7 +27,8 @@ import time
 from pathlib import Path
 
 NAME = "host_overhead_cpu"
-COLUMNS = ["tree", "run", "git_sha", "prefill_chunk_tokens", "host_ms_median", "manager_cpu_ms_per_step", "host_ms_mean", "host_ms_p90", "steps",
+COLUMNS = ["tree", "run", "git_sha", "prefill_chunk_tokens", "host_ms_median", "manager_cpu_ms_per_step",
+           "manager_cpu_us_per_token", "host_ms_mean", "host_ms_p90", "steps",
            "step_ms_median",
            "wall_s", "load_before", "max_batch", "k", "max_tokens", "target", "draft", "device"]
 
@@ -43,7 +47,8 @@ def measure_one(args) -> dict:
     from minedraft_ray.runtime.llm import init_local_ray
 
     init_local_ray(num_gpus=2, _temp_dir=tempfile.mkdtemp(prefix="r", dir="/tmp"))
-    chunking = {} if args.prefill_chunk_tokens is None else {"prefill_chunk_tokens": args.prefill_chunk_tokens}
+    # below 0: the config's default (the parent, which has no such setting, always runs so)
+    chunking = {} if args.prefill_chunk_tokens < 0 else {"prefill_chunk_tokens": args.prefill_chunk_tokens}
     llm = LLM(args.target, args.draft, mode="psd", k=args.k, max_batch=args.max_batch, transport="object_store",
               torch_threads=1, device="cpu", psd_low_load="psd", psd_high_load="psd", **chunking)
     try:
@@ -61,7 +66,9 @@ def measure_one(args) -> dict:
         everything = llm.history()[skip:]
         hist = [h for h in everything if h.regime == "psd" and h.drafted and h.verified]
         host = sorted(h.host_ms for h in hist)
+        tokens = args.repeats * n * args.max_tokens   # ignore_eos: every request runs to max_tokens
         return {"steps": len(hist), "manager_cpu_ms_per_step": cpu * 1e3 / len(everything),
+                "manager_cpu_us_per_token": cpu * 1e6 / tokens,
                 "host_ms_median": statistics.median(host),
                 "host_ms_mean": statistics.fmean(host), "host_ms_p90": host[int(0.9 * (len(host) - 1))],
                 "step_ms_median": statistics.median(h.step_ms for h in hist), "wall_s": wall,
@@ -76,8 +83,7 @@ def run_tree(tree: Path, args, chunk_tokens: int | None = None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--max-batch", str(args.max_batch),
            "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
            "--target", args.target, "--draft", args.draft]
-    if chunk_tokens is not None:
-        cmd += ["--prefill-chunk-tokens", str(chunk_tokens)]
+    cmd += ["--prefill-chunk-tokens", str(-1 if chunk_tokens is None else chunk_tokens)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -97,9 +103,10 @@ def main():
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="workload passes per run")
-    ap.add_argument("--prefill-chunk-tokens", type=int, default=None,
-                    help="the change's per-step prefill budget (0: whole prompts, as the parent, which predates "
-                         "chunked prefill, always plans; default: the config's)")
+    ap.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                    help="the change's per-step prefill budget (default 0: whole prompts, as the parent, which "
+                         "predates chunked prefill, always plans them, so both trees run the same steps; -1: the "
+                         "config's default)")
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
@@ -118,7 +125,7 @@ def main():
         # alternate which tree goes first, so neither always runs right after the other's shutdown
         for name, tree, sha in (trees if run % 2 == 0 else trees[::-1]):
             load = os.getloadavg()[0]
-            chunk_tokens = args.prefill_chunk_tokens if name == "change" else None
+            chunk_tokens = args.prefill_chunk_tokens if name == "change" and args.prefill_chunk_tokens >= 0 else None
             row = {"tree": name, "run": run, "git_sha": sha, "load_before": load, "prefill_chunk_tokens": chunk_tokens,
                    **run_tree(tree, args, chunk_tokens)}
             print(json.dumps(row), flush=True)
@@ -130,10 +137,11 @@ def main():
                        f"{statistics.median(mine):.3f} ms (runs: {', '.join(f'{x:.3f}' for x in mine)})")
     for name, _, sha in trees:
         mine = [r["manager_cpu_ms_per_step"] for r in rows if r["tree"] == name]
+        per_token = [r["manager_cpu_us_per_token"] for r in rows if r["tree"] == name]
         summary.append(f"{name} ({sha}): median over runs of the manager process's CPU ms per step = "
-                       f"{statistics.median(mine):.3f} ms")
+                       f"{statistics.median(mine):.3f} ms, per generated token = {statistics.median(per_token):.1f} us")
     if len(trees) == 2:
-        for column in ("host_ms_median", "manager_cpu_ms_per_step"):
+        for column in ("host_ms_median", "manager_cpu_ms_per_step", "manager_cpu_us_per_token"):
             p = statistics.median(r[column] for r in rows if r["tree"] == "parent")
             c = statistics.median(r[column] for r in rows if r["tree"] == "change")
             summary.append(f"{column}: change / parent = {c / p:.3f}")
@@ -146,10 +154,15 @@ def main():
              f"workload: {2 * args.max_batch} requests x {args.max_tokens} greedy tokens (ignore_eos), psd forced "
              f"(psd_low_load = psd_high_load = psd), object_store channel, torch_threads 1, {args.repeats} passes "
              "per run after a warm-up; each run a fresh process and local Ray (2 logical GPUs); runs alternate "
-             "between the trees",
+             "between the trees; the change's prefill budget: "
+             + ("whole prompts, as the parent's (prefill_chunk_tokens 0)" if args.prefill_chunk_tokens == 0 else
+                "the config's default" if args.prefill_chunk_tokens < 0 else
+                f"{args.prefill_chunk_tokens} tokens a step"),
              "manager_cpu_ms_per_step: CPU time (user + system, all threads: Ray's serialization and IO threads "
              "included) of the manager actor's process over the measured passes / every step recorded; CPU time "
-             "moves less than wall time with the machine's load",
+             "moves less than wall time with the machine's load; per generated token: the same CPU over the tokens "
+             "both trees generate alike (the parent records two more steps a pass: its new requests' first verify "
+             "carries no drafts)",
              "load_before: the 1-minute load average before the run (other sessions share the cores)"]
     if args.note:
         notes.append(args.note)

@@ -54,9 +54,11 @@ class RequestStats:
         if grow > 0:
             self.drafted_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
+        drafted, accepted = self.drafted_per_position, self.accepted_per_position
         for j in range(num_drafts):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += j < num_accepted
+            drafted[j] += 1
+        for j in range(min(num_accepted, num_drafts)):
+            accepted[j] += 1
 
     def as_dict(self) -> dict:
         return {"ttft": self.ttft, "latency": self.latency, "verify_steps": self.verify_steps,
@@ -99,6 +101,12 @@ class Request:
         n = len(self.prompt_ids)
         return (self.prompt_ids[start:] if start < n else []) + self.output_ids[max(start - n, 0):]
 
+    def draft_feed(self) -> tuple[int, list[int]]:
+        """What the drafter must be fed for this request: (the tokens of the sequence its slot already holds, at
+        most seq_len - 2, and the tokens past them; from the start for a one-token prompt)."""
+        valid = max(0, min(self.draft_valid, len(self.prompt_ids) + len(self.output_ids) - 2))
+        return valid, self.tail(valid)
+
     def span(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output, without building the whole sequence."""
         n = len(self.prompt_ids)
@@ -116,19 +124,24 @@ class Request:
         return self.finish_reason is not None
 
     def append(self, tokens: list[int], logprobs: list | None = None) -> list[int]:
-        """Append emitted tokens, cutting the run at a stop id or max_tokens. Returns what was kept."""
-        kept = []
-        for i, tok in enumerate(tokens):
-            kept.append(tok)
-            if logprobs is not None:
-                self.logprobs.append(logprobs[i])
-            self.output_ids.append(tok)
-            if tok in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            if len(self.output_ids) >= self.params.max_tokens:
-                self.finish_reason = "length"
-                break
+        """Append emitted tokens, cutting the run at a stop id or max_tokens (a stop id that is also the last token
+        max_tokens allows is a stop). Returns what was kept. Sliced, not token by token: every step appends to
+        every row."""
+        if not tokens:
+            return []
+        room = self.params.max_tokens - len(self.output_ids)
+        keep, reason = (len(tokens), None) if len(tokens) < room else (max(room, 1), "length")
+        if self.stop_ids and not self.stop_ids.isdisjoint(tokens):
+            for i in range(keep):
+                if tokens[i] in self.stop_ids:
+                    keep, reason = i + 1, "stop"
+                    break
+        kept = tokens[:keep]
+        self.output_ids += kept
+        if logprobs is not None:
+            self.logprobs += logprobs[:keep]
+        if reason is not None:
+            self.finish_reason = reason
         now = time.perf_counter()
         if self.stats.first_token is None and kept:
             self.stats.first_token = now
@@ -178,11 +191,7 @@ class GenerationOutput:
 def draft_rows(requests: list[Request]) -> list[DraftRow]:
     """What the drafter must be fed for each request: everything past what its slot already holds (from the
     start for a one-token prompt)."""
-    rows = []
-    for r in requests:
-        valid = max(0, min(r.draft_valid, r.seq_len - 2))
-        rows.append(DraftRow(r.slot, valid, r.tail(valid)))
-    return rows
+    return [DraftRow(r.slot, *r.draft_feed()) for r in requests]
 
 
 def commit_tokens(requests: list[Request], tokens: list[list[int]], logprobs: list[list[dict]] | None,

@@ -119,6 +119,7 @@ class DrafterActor(_WorkerActor):
     def prefill(self, task: list) -> float:
         return self.worker.prefill(task)
 
+    @ray.method(num_returns=2)   # (drafts, device ms): declared here, not as an option on every round's call
     def draft(self, round_: list, *sources):
         return self.worker.draft(round_, *sources)
 

@@ -32,7 +32,7 @@ from ..engine.devices import cuda_available
 from ..engine.hf_config import ModelSpec
 from ..engine.kv_blocks import CacheSizeError
 from ..engine.presets import resolve_model
-from ..engine.request import Request, commit_tokens, draft_rows
+from ..engine.request import Request, commit_tokens
 from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
@@ -506,15 +506,19 @@ class BatchManager:
                                          logprobs=result.logprobs[:rows] if result.logprobs is not None else None)
         k = self.k
         num_drafts = [k if i >= 0 else 0 for i in verify.draft_index]
-        record = StepRecord(verify.regime, (0, 0), len(verify.rows), verify.drafted, t_draft_ms=t_draft,
+        drafted = verify.drafted
+        record = StepRecord(verify.regime, (0, 0), len(verify.rows), drafted, t_draft_ms=t_draft,
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
-        record.emitted = sum(len(t) for t in result.tokens)
-        record.draft_tokens = sum(num_drafts)
-        record.accepted = sum(len(t) - 1 for t, nd in zip(result.tokens, num_drafts) if nd)
+        lengths = list(map(len, result.tokens))
+        record.emitted = sum(lengths)
+        record.draft_tokens = k * drafted
+        # a drafted row's tokens past its first are accepted drafts
+        drafted_tokens = record.emitted if drafted == len(lengths) else sum(itertools.compress(lengths, num_drafts))
+        record.accepted = drafted_tokens - drafted
         self.sched.commit_verify(verify)
         record.streamed = self._commit(verify.rows, result.tokens, result.logprobs, num_drafts)
         record.t_emit = time.time()
@@ -720,11 +724,14 @@ class BatchManager:
         over_link = after.tokens_to if after is not None else None
         sources, source_of = ([after.ref] if after is not None and over_link is None else []), {}
         first_argument = 1 if over_link is not None else 0   # the source number of sources[0]
-        specs = round_.rows
-        requests = [spec.state.request for spec in specs]
-        rows = draft_rows(requests)
-        takes_of = []
-        for spec in specs:
+        # the round's columns in one pass over its rows (a round is sent every step)
+        slots, valid, tails, takes_of, all_but_two, seeds, positions = [], [], [], [], [], [], []
+        for spec in round_.rows:
+            r = spec.state.request
+            start, tail = r.draft_feed()
+            slots.append(r.slot)
+            valid.append(start)
+            tails.append(tail)
             takes = []
             if spec.from_prefill is not None:
                 source = source_of.get(id(spec.from_prefill))
@@ -735,10 +742,11 @@ class BatchManager:
             if spec.verify_row >= 0:
                 takes.append((0, spec.verify_row))
             takes_of.append(takes)
-        message = DraftRound(self.actors.next_drafter_seq(), self.k, [row.slot for row in rows],
-                             [row.valid for row in rows], [row.catchup for row in rows], takes_of,
-                             [spec.all_but_two for spec in specs], [r.seed for r in requests],
-                             [len(r.output_ids) for r in requests], self._drafter_tables(), over_link)
+            all_but_two.append(spec.all_but_two)
+            seeds.append(r.seed)
+            positions.append(len(r.output_ids))
+        message = DraftRound(self.actors.next_drafter_seq(), self.k, slots, valid, tails, takes_of, all_but_two, seeds,
+                             positions, self._drafter_tables(), over_link)
         round_.handle, round_.timing = self.channel.submit(self.drafter, self.verifier, message, sources)
 
     def _drop_round(self, round_: DraftPlan) -> None:

@@ -683,7 +683,9 @@ class Scheduler:
         when a pool runs short, the most recently admitted members with nothing in flight are preempted until
         the rest fit (vLLM's recompute preemption). -> the preempted, most recent first."""
         preempted = []
-        short = self._reserve([s for batch in self.batches for s in batch if s.inflight == s.prefill_tasks and s.ready])
+        # `ready` inline: this runs over every member every step
+        short = self._reserve([s for batch in self.batches for s in batch
+                               if s.inflight == s.prefill_tasks and s.prompt_planned == s.prefill_len])
         self._waiting_for_blocks.clear()
         for s in sorted(short, key=lambda s: s.admitted_at):
             while s.status is Status.RUNNING and self._reserve([s]):
@@ -933,7 +935,9 @@ class Scheduler:
         any_inflight, waiting, call = self.depth > 1, self._waiting_for_blocks, self._calls
         candidates = [s for s in self.batches[b] if s.reserved_in == call or (
             s.ready and (any_inflight or s.inflight == s.prefill_tasks) and (not waiting or id(s) not in waiting))]
-        short = self._reserve(candidates)
+        # mostly all were covered by `_grow` in this call: then there is nothing to reserve
+        uncovered = [s for s in candidates if s.reserved_in != call]
+        short = self._reserve(uncovered) if uncovered else ()
         rows = [s for s in candidates if s not in short] if short else candidates
         regime = self.regime(b)
         fused = None
@@ -1027,7 +1031,7 @@ class Scheduler:
                 continue   # no blocks for its drafts yet (the verify left it out for that)
             else:
                 last, all_but_two = s.prefill.seq if s.prefilling else s.last_seq, False
-            first_token = s.takes_first_token
+            first_token = s.prefilling and not s.resumed   # takes_first_token, inline: per member per step
             if first_token and not all_but_two:
                 all_but_two = s.request.draft_valid >= s.prefill_len
             built[id(s)] = (len(rows), last)

@@ -74,7 +74,7 @@ class ObjectStoreChannel(DraftChannel):
     name = "object_store"
 
     def submit(self, drafter, verifier, round_, sources):
-        return drafter.draft.options(num_returns=2).remote(round_.to_wire(), *sources)
+        return drafter.draft.remote(round_.to_wire(), *sources)
 
     def without_drafts(self, verifier, drafts, task_ref, resubmit):
         # a task whose argument failed never ran: submit it again (under its own number, its turn is still open)
