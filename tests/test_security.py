@@ -423,7 +423,7 @@ def busy_app(ray_cluster, server):
     """A plain deployment that holds one request at a time and queues none: Serve's own backpressure."""
     from ray import serve
 
-    @serve.deployment(max_ongoing_requests=1, max_queued_requests=1)
+    @serve.deployment(max_ongoing_requests=1, max_queued_requests=1, graceful_shutdown_wait_loop_s=0.2)
     class Busy:
         async def __call__(self, request):
             import asyncio
