@@ -212,14 +212,20 @@ def test_body_over_the_limit_is_413(url, client):
 
 
 def test_slow_headers_and_bodies_are_closed(url):
+    import concurrent.futures as cf
+
     port = int(url.split(":")[-1].split("/")[0])
-    # headers that never end: the connection is closed after the header timeout
+    with cf.ThreadPoolExecutor(2) as pool:   # two connections of their own: both timeouts run at once
+        # headers that never end: the connection is closed after the header timeout
+        headers = pool.submit(raw_request, port,
+                              b"POST " + PREFIX.encode() + b"/v1/completions HTTP/1.1\r\nHost: x\r\n")
+        # 9 bytes of a declared 100 kB body: 408 in OpenAI's error JSON, then closed
+        body = pool.submit(raw_request, port, post_head(100_000), b'{"model":')
     # closed by the timeout, not before it; the upper margin is wide for a loaded machine, and a connection never
     # closed ends at raw_request's 10 s
-    reply, took = raw_request(port, b"POST " + PREFIX.encode() + b"/v1/completions HTTP/1.1\r\nHost: x\r\n")
+    reply, took = headers.result()
     assert reply == b"" and TEST_LIMITS.header_timeout_s - 0.5 < took < TEST_LIMITS.header_timeout_s + 6
-    # 9 bytes of a declared 100 kB body: 408 in OpenAI's error JSON, then closed
-    reply, took = raw_request(port, post_head(100_000), b'{"model":')
+    reply, took = body.result()
     assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply, reply[:300]
     assert TEST_LIMITS.body_timeout_s - 0.5 < took < TEST_LIMITS.body_timeout_s + 6
 
