@@ -84,6 +84,9 @@ CONTROL_HEADROOM = 16    # in-flight info/abort/health calls next to the generat
 INGRESS_TARGET_STREAMS = 128   # streams per ingress replica before autoscaling adds one
 ABORT_DRAIN_S = 10.0     # wait this long for an aborted request's final stats, then cancel its stream
 SHUTDOWN_RELAY_S = 5.0   # the ingress's grace period beyond the engines': time to end the cut streams cleanly
+# how often a stopping replica looks whether its requests are done (Serve's default, 2 s, is a floor on every
+# replica's stop, idle or not: each delete, redeploy and Ctrl-C waited it out)
+SHUTDOWN_POLL_S = 0.2
 STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLLM reports it)
 ADMITTING_AT_ONCE = 4    # requests being admitted (parsed, tokenized, submitted) at once; the others wait their
                          # turn, so a burst's admission work comes in slices between the running streams' chunks
@@ -864,7 +867,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
         placement_group_bundles=bundles, placement_group_strategy=STRATEGY,
         ray_actor_options={"num_cpus": bundles[0].get("CPU", 0), **hub_env}, **serve_limits(config),
         **replica_options(config), health_check_period_s=config.health_check_period_s,
-        graceful_shutdown_timeout_s=config.graceful_shutdown_s,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_s, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
     ).bind(config.model_dump(), vocab_limit)
     key_hash = hashlib.sha256(api_key.encode()).hexdigest() if api_key else None
     replicas = config.max_replicas or config.num_replicas
@@ -872,5 +875,6 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     # finish_reason and an error event it sends, not cut off
     return OpenAIServer.options(ray_actor_options={"num_cpus": config.ingress_cpus, **hub_env},
                                 **ingress_limits(config, replicas), **ingress_options(config),
-                                graceful_shutdown_timeout_s=config.graceful_shutdown_s + SHUTDOWN_RELAY_S).bind(
+                                graceful_shutdown_timeout_s=config.graceful_shutdown_s + SHUTDOWN_RELAY_S,
+                                graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S).bind(
         engine, config.model_dump(), key_hash, tokenizer_class)
