@@ -228,30 +228,62 @@ def reference(tiny_llama):
     return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, [greedy(n) for n in LENGTHS])
 
 
-def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """sd: the drafter beside rank 0, in its actor and on its GPU. A KV pool of 18 blocks of 4 forces
-    preemptions: rank 1 applies every block-table change the scheduler sends rank 0."""
+@pytest.fixture(scope="module")
+def sd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
+    """sd at tp 2, for its greedy run and then the rank-0 death drill, which ends it (one start for both). A KV pool
+    of 18 blocks of 4 forces preemptions. sd_tp2(take=True): the engine leaves the fixture, to the caller, who ends
+    it."""
+    started = {"llm": LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1,
+                          block_size=4, num_kv_blocks=18)}
+    yield lambda take=False: started.pop("llm") if take else started["llm"]
+    if started:
+        started["llm"].shutdown()
+
+
+def test_greedy_sd_at_tp2_equals_ar(sd_tp2, reference):
+    """sd: the drafter beside rank 0, in its actor and on its GPU. The small KV pool forces preemptions: rank 1
+    applies every block-table change the scheduler sends rank 0."""
     from ray.experimental import internal_kv
     from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
 
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1, block_size=4,
-              num_kv_blocks=18)
-    try:
-        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        info, preemptions = llm.worker_info, llm.info()["preemptions"]
-        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
-        assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
-    finally:
-        llm.shutdown()
+    llm = sd_tp2()
+    outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+    info, preemptions = llm.worker_info, llm.info()["preemptions"]
+    prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
-    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
     assert preemptions > 0
 
 
 def _actors(llm):
     """The engine's rank 0 (the verifier) and its other ranks."""
     return ray.get(llm.manager.__ray_call__.remote(lambda self: (self.manager.verifier, self.manager.actors.ranks)))
+
+
+def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(sd_tp2):
+    """With no step in flight, rank 0's death (the verifier, and in sd the drafter beside it) ends rank 1's wait for
+    its next call at once (no rank left waiting on a dead group), and the engine reports dead without waiting for a
+    request to fail. Its shutdown still clears the keys the ranks met under. (The sd engine's last test.)"""
+    from ray.experimental import internal_kv
+    from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
+
+    llm = sd_tp2(take=True)
+    try:
+        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
+        assert len(llm.generate(PROMPTS[0], greedy(3))[0].token_ids) == 3
+        deadline = time.time() + 10
+        while llm.info()["slots_in_use"] and time.time() < deadline:   # the step queued behind the last one ends
+            time.sleep(0.05)
+        verifier, _ = _actors(llm)
+        ray.kill(verifier, no_restart=True)
+        deadline = time.time() + 20
+        while not llm.info()["dead"] and time.time() < deadline:
+            time.sleep(0.1)
+        assert "target rank 1" in (llm.info()["dead"] or ""), llm.info()["dead"]
+    finally:
+        llm.shutdown()
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
 
 
 def test_a_rank_killed_mid_run_kills_the_engine_and_frees_rank_0(ray_cluster, tiny_llama):
@@ -271,25 +303,6 @@ def test_a_rank_killed_mid_run_kills_the_engine_and_frees_rank_0(ray_cluster, ti
         assert ray.get(verifier.ready.remote(), timeout=10)["pid"]   # well inside the group's 60 s timeout
         with pytest.raises(Exception, match="dead|rank|verifier"):
             llm.generate(PROMPTS[0], greedy(4))
-    finally:
-        llm.shutdown()
-
-
-def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tiny_llama):
-    """With no step in flight, rank 0's death ends rank 1's wait for its next call at once (no rank left waiting on
-    a dead group), and the engine reports dead without waiting for a request to fail."""
-    llm = LLM(tiny_llama, None, mode="ar", max_batch=2, tp=2, torch_threads=1, step_timeout_s=60)
-    try:
-        assert len(llm.generate(PROMPTS[0], greedy(3))[0].token_ids) == 3
-        deadline = time.time() + 10
-        while llm.info()["slots_in_use"] and time.time() < deadline:   # the step queued behind the last one ends
-            time.sleep(0.05)
-        verifier, _ = _actors(llm)
-        ray.kill(verifier, no_restart=True)
-        deadline = time.time() + 20
-        while not llm.info()["dead"] and time.time() < deadline:
-            time.sleep(0.1)
-        assert "target rank 1" in (llm.info()["dead"] or ""), llm.info()["dead"]
     finally:
         llm.shutdown()
 
