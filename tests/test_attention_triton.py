@@ -98,8 +98,10 @@ def make_case(first_positions, qlen, groups, head_dim, dtype, kv_heads=2, rows=4
 
 
 # dtype and GQA groups in pairs, not crossed (each is independent of the other in the kernel; suite time): the 8B's
-# bf16 with 4 groups among them
-DTYPE_GROUPS = [(torch.float32, 1), (torch.bfloat16, 2), (torch.bfloat16, 4), (torch.float32, 4)]
+# bf16 with 4 groups among them. fp32 (the tight tolerance: scale, online softmax, split combine) once, without
+# GQA; the groups (which query rows map to which head, and at qlen 5 the 32-row block of 4 groups) in bf16, whose
+# tolerance a row read for the wrong head fails as surely as fp32's
+DTYPE_GROUPS = [(torch.float32, 1), (torch.bfloat16, 2), (torch.bfloat16, 4)]
 
 
 @interpreter_only
