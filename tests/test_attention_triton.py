@@ -54,9 +54,38 @@ def attend_cpu(monkeypatch):
         return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot_bf16)
+    patch_device_calls_once_per_launch(monkeypatch, interpreter)
     from minedraft_ray.engine.attention_triton import attend_triton
 
     return attend_triton
+
+
+def patch_device_calls_once_per_launch(monkeypatch, interpreter):
+    """The interpreter maps triton.language onto its own ops (_patch_lang) at a launch, undoing that at its end, and
+    again at every call of a @triton.jit function inside it (tl.max, tl.cdiv, ...: thousands per launch), where the
+    mapping is already in place; re-mapping there was a third of this file's time. Inside a launch, each set of
+    language modules is mapped at its first device call only; a launch still maps (and unmaps) as before."""
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = {"in_launch": False, "mapped": set()}
+
+    def patch_lang_once(fn):
+        if not state["in_launch"]:   # the launch's own mapping, which it undoes when it ends
+            state["in_launch"], state["mapped"] = True, set()
+            return patch_lang(fn)
+        modules = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if modules not in state["mapped"]:   # a device call: its mapping outlives it, until the launch ends
+            state["mapped"].add(modules)
+            return patch_lang(fn)
+        return None
+
+    def launch_and_forget(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state["in_launch"] = False
+
+    monkeypatch.setattr(interpreter, "_patch_lang", patch_lang_once)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch_and_forget)
 
 
 def paged(kernel, case, block_size=8, **kw):
