@@ -66,26 +66,29 @@ def patch_device_calls_once_per_launch(monkeypatch, interpreter):
     mapping is already in place; re-mapping there was a third of this file's time. Inside a launch, each set of
     language modules is mapped at its first device call only; a launch still maps (and unmaps) as before."""
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    state = {"in_launch": False, "mapped": set()}
+    state = {"launch": None}   # inside a launch: the module sets its device calls mapped so far
 
     def patch_lang_once(fn):
-        if not state["in_launch"]:   # the launch's own mapping, which it undoes when it ends
-            state["in_launch"], state["mapped"] = True, set()
+        mapped = state["launch"]
+        if mapped is None:   # the launch's own mapping (undone at its end), or a call outside any launch
+            state["launch"] = set() if state.pop("launching", False) else None
             return patch_lang(fn)
         modules = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
-        if modules not in state["mapped"]:   # a device call: its mapping outlives it, until the launch ends
-            state["mapped"].add(modules)
+        if modules not in mapped:   # a device call's mapping outlives the call, until the launch ends
+            mapped.add(modules)
             return patch_lang(fn)
         return None
 
-    def launch_and_forget(self, *args, **kwargs):
+    def launch_then_forget(self, *args, **kwargs):
+        state["launching"] = True
         try:
             return launch(self, *args, **kwargs)
         finally:
-            state["in_launch"] = False
+            state.pop("launching", None)
+            state["launch"] = None
 
     monkeypatch.setattr(interpreter, "_patch_lang", patch_lang_once)
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch_and_forget)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launch_then_forget)
 
 
 def paged(kernel, case, block_size=8, **kw):
