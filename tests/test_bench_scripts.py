@@ -15,13 +15,56 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# python -c RUN_MAINS COMMAND...: each command ("bench.x ARGS", one string) through its module's main, one after
+# another in this one process (one torch import for all), between "### COMMAND" and "### exit STATUS" lines; a main
+# that raises prints its traceback and gives "raised"
+RUN_MAINS = """import importlib, sys, traceback
+for command in sys.argv[1:]:
+    module, *args = command.split()
+    print("### " + command, flush=True)
+    sys.argv = ["-m " + module, *args]   # what a main that reads sys.argv would see
+    try:
+        status = importlib.import_module(module).main(args) or 0
+    except BaseException:
+        traceback.print_exc()
+        status = "raised"
+    print(f"### exit {status}", flush=True)
+"""
+# the --smoke benches run without Ray, each with its own folder (prefill_speed's three workloads share one)
+SMOKES = {"gemm_sweep": ("bench.gemm_sweep", "gemm_sweep", ""),
+          "prefill_speed": ("bench.prefill_speed", "prefill_speed", "--workload graphs"),
+          "longtail": ("bench.prefill_speed", "prefill_speed", "--workload longtail"),
+          "check": ("bench.prefill_speed", "prefill_speed", "--workload check"),
+          "paged_kv": ("bench.paged_kv", "paged_kv", ""),
+          "fused_step_profile": ("bench.fused_step_profile", "fused_step_profile", "--bucket-sets fine,pow2")}
+
+
+@pytest.fixture(scope="module")
+def smokes(tmp_path_factory):
+    """Every --smoke of SMOKES in one fresh process -> {name: (its folder, what it printed, its exit status)}; the
+    process' stderr under "stderr"."""
+    base = tmp_path_factory.mktemp("smokes")
+    commands = {name: f"{module} --smoke {args} --out {base / folder}" for name, (module, folder, args) in SMOKES.items()}
+    proc = subprocess.run([sys.executable, "-c", RUN_MAINS, *commands.values()], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900)
+    ran = {"stderr": proc.stderr}
+    for name, command in commands.items():
+        printed, _, rest = proc.stdout.partition(f"### {command}\n")[2].partition("### exit ")
+        ran[name] = (base / SMOKES[name][1], printed, rest.split("\n")[0] or f"never ran (exit {proc.returncode})")
+    return ran
+
+
+def smoke(smokes, name):
+    """The folder and printout of SMOKES[name], which must have exited 0."""
+    out, printed, status = smokes[name]
+    assert status == "0", f"{name}: {status}\n" + printed[-3000:] + smokes["stderr"][-3000:]
+    return out, printed
+
+
 @pytest.mark.parametrize("script, variants", [("gemm_sweep", {"linear", "matmul_t"}),
                                               ("prefill_speed", {"eager", "graph", "packed"})])
-def test_sweep_smoke(tmp_path, script, variants):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_sweep_smoke(smokes, script, variants):
+    tmp_path, _ = smoke(smokes, script)
     rows = pq.read_table(tmp_path / f"{script}.parquet").to_pylist()
     md = (tmp_path / f"{script}.md").read_text()
     assert rows and md.startswith("# ") and f"python -m bench.{script} --smoke" in md and "Git: " in md
@@ -39,16 +82,12 @@ def test_drafter_kill_drill_smoke(ray_cluster, tmp_path):
     assert summary["passed"] and summary["results"][0]["equal_to_ar"] == 4
 
 
-def test_prefill_longtail_and_check_smoke(tmp_path):
+def test_prefill_longtail_and_check_smoke(smokes):
     """Packed vs padded prefill on long-tailed lengths writes both rows and the ratio; the correctness check
     (packed, one at a time, chunked vs padded, fp32 and bf16) passes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for workload in ("longtail", "check"):
-        proc = subprocess.run([sys.executable, "-m", "bench.prefill_speed", "--smoke", "--workload", workload,
-                               "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all ok" in proc.stdout and proc.stdout.count(" ok") >= 6
+    tmp_path, _ = smoke(smokes, "longtail")
+    _, printed = smoke(smokes, "check")
+    assert "all ok" in printed and printed.count(" ok") >= 6
     rows = {r["path"]: r for r in pq.read_table(tmp_path / "prefill_longtail.parquet").to_pylist()}
     assert set(rows) == {"padded", "packed"} and rows["padded"]["speedup_over_padded"] == 1.0
     assert rows["packed"]["tokens"] == rows["padded"]["tokens"] > 0 and rows["packed"]["tokens_per_s"] > 0
@@ -77,14 +116,11 @@ def test_psd_vs_sd_compares_channels_in_one_call(ray_cluster, tmp_path):
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
 
 
-def test_paged_kv_smoke(tmp_path):
+def test_paged_kv_smoke(smokes):
     """Concurrency (requests admitted into the pool the engine built, against the static slots of its memory),
     prefix cache (same tokens with and without it, hits with it), decode and attention-tile rows of the paged-KV
     bench."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "bench.paged_kv", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tmp_path, _ = smoke(smokes, "paged_kv")
     rows = pq.read_table(tmp_path / "paged_kv.parquet").to_pylist()
     assert {r["part"] for r in rows} == {"concurrency", "prefix", "prefix tokens/s", "decode", "tiles"}
     prefix = {r["variant"]: r for r in rows if r["part"] == "prefix"}
@@ -101,16 +137,12 @@ def test_paged_kv_smoke(tmp_path):
 
 
 
-def test_fused_step_profile_smoke(tmp_path):
+def test_fused_step_profile_smoke(smokes):
     """The fused-step profile's --smoke form: a decode and fused steps per batch at every chunk start (the fused
     ones' over_decode against that batch's decode), both row layouts' plans (the rows mode never walks more tiles
     in one program than 16-row blocks do), and the kernels of the decode step and of a fused step per kernel chunk
     and start, in one table by step, written with the command; each fused step under both graph bucket sets."""
-    proc = subprocess.run([sys.executable, "-m", "bench.fused_step_profile", "--smoke", "--bucket-sets", "fine,pow2",
-                           "--out", str(tmp_path)],
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tmp_path, _ = smoke(smokes, "fused_step_profile")
     rows = pq.read_table(tmp_path / "fused_step_profile.parquet").to_pylist()
     steps = [r for r in rows if r["part"] == "step"]
     assert {(r["batch"], r["chunk_tokens"], r["chunk_start"]) for r in steps} == \

@@ -15,9 +15,12 @@ from minedraft_ray.testing.workers import faulty_drafter, set_drafter_faults
 from runtime_common import LENGTHS, PROMPTS, greedy, settled
 
 # the configurations several drills share (k=2, max_batch=3, psd): the collective channel with the unthreaded
-# drafter (its verifier killed last), and the object store with the short step timeout the hang drill waits out
+# drafter (its verifier killed last), the object store with the short step timeout the hang drill waits out, and
+# the ray_collective channel with that timeout and the threaded drafter (its kill drill and its hang drill: the hang
+# on each channel once, with the verifier's overlap off on the object store and on here)
 SHARED = {"collective": {"transport": "collective", "verifier_overlap": False, "step_timeout_s": 60},
-          "object_store": {"transport": "object_store", "step_timeout_s": 5}}
+          "object_store": {"transport": "object_store", "step_timeout_s": 5},
+          "ray_collective": {"transport": "ray_collective", "verifier_overlap": True, "step_timeout_s": 5}}
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,8 @@ def test_drafter_killed_mid_run(ray_cluster, shared_engines, tiny_llama, tiny_ll
     # link, which fails when the drafter dies, and it runs without them
     # a slow drafter (200 ms a round, busy nearly all the time): the kill lands while a round is drafted, with its
     # verify submitted already
-    shared = (mode, overlap, transport) == ("psd", False, "collective")
-    llm = shared_engines("collective") if shared else LLM(
+    shared = mode == "psd" and transport in SHARED and SHARED[transport].get("verifier_overlap") == overlap
+    llm = shared_engines(transport) if shared else LLM(
         tiny_llama, tiny_llama_draft, mode=mode, k=2, max_batch=3, torch_threads=1, verifier_overlap=overlap,
         transport=transport, _workers=faulty_drafter())
     try:

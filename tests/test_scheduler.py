@@ -29,6 +29,7 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 """
 import ast
 import gc
+import functools
 import pathlib
 import random
 import subprocess
@@ -478,10 +479,16 @@ EVENTS = st.one_of(
 )
 
 
+@functools.cache
 def tokens(num_drafts: int):
-    """A verify row's emitted tokens: 1..num_drafts + 1 of them, EOS possible anywhere."""
-    return st.integers(1, num_drafts + 1).flatmap(
-        lambda n: st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=n, max_size=n))
+    """A verify row's emitted tokens: 1..num_drafts + 1 of them, EOS possible anywhere. Built once per width (a
+    strategy built afresh at each of a run's thousands of draws cost more than the draws)."""
+    return st.integers(1, num_drafts + 1).flatmap(_tokens_of_length)
+
+
+@functools.cache
+def _tokens_of_length(n: int):
+    return st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=n, max_size=n)
 
 
 def make_scheduler(mode: str, max_batch: int, min_requests: int, budget: int | None = None,

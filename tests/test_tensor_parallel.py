@@ -228,24 +228,31 @@ def reference(tiny_llama):
     return Engine(tiny_llama, mode="ar", max_batch=8, device="cpu").generate(PROMPTS, [greedy(n) for n in LENGTHS])
 
 
-def test_greedy_sd_at_tp2_equals_ar(ray_cluster, tiny_llama, tiny_llama_draft, reference):
-    """sd: the drafter beside rank 0, in its actor and on its GPU. A KV pool of 18 blocks of 4 forces
-    preemptions: rank 1 applies every block-table change the scheduler sends rank 0."""
+@pytest.fixture(scope="module")
+def sd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
+    """sd at tp 2, for its greedy run and then the rank-0 death drill, which ends it (one start for both). A KV pool
+    of 18 blocks of 4 forces preemptions. sd_tp2(take=True): the engine leaves the fixture, to the caller, who ends
+    it."""
+    started = {"llm": LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1,
+                          block_size=4, num_kv_blocks=18)}
+    yield lambda take=False: started.pop("llm") if take else started["llm"]
+    if started:
+        started["llm"].shutdown()
+
+
+def test_greedy_sd_at_tp2_equals_ar(sd_tp2, reference):
+    """sd: the drafter beside rank 0, in its actor and on its GPU. The small KV pool forces preemptions: rank 1
+    applies every block-table change the scheduler sends rank 0."""
     from ray.experimental import internal_kv
     from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
 
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="sd", k=3, max_batch=3, tp=2, torch_threads=1, block_size=4,
-              num_kv_blocks=18)
-    try:
-        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        info, preemptions = llm.worker_info, llm.info()["preemptions"]
-        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
-        assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
-    finally:
-        llm.shutdown()
+    llm = sd_tp2()
+    outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+    info, preemptions = llm.worker_info, llm.info()["preemptions"]
+    prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE)   # where the ranks met
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert info["drafter"] is None and info["verifier"]["gpu_ids"] != info["ranks"][0]["gpu_ids"]
-    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
     assert preemptions > 0
 
 
@@ -254,32 +261,16 @@ def _actors(llm):
     return ray.get(llm.manager.__ray_call__.remote(lambda self: (self.manager.verifier, self.manager.actors.ranks)))
 
 
-def test_a_rank_killed_mid_run_kills_the_engine_and_frees_rank_0(ray_cluster, tiny_llama):
-    """Rank 1 dies inside a run: the requests fail with an error, the engine reports dead (Serve replaces such a
-    replica), and rank 0 is not left blocked in a collective with it: it answers at once."""
-    llm = LLM(tiny_llama, None, mode="ar", max_batch=2, tp=2, torch_threads=1, step_timeout_s=60)
-    try:
-        verifier, (rank1,) = _actors(llm)
-        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:2]], [greedy(1500)] * 2)
-        deadline = time.time() + 60
-        while llm.info()["steps"] < 3 and time.time() < deadline:   # mid-run, not before or after
-            time.sleep(0.05)
-        ray.kill(rank1, no_restart=True)
-        with pytest.raises(Exception):
-            ray.get(ref, timeout=30)
-        assert llm.info()["dead"]
-        assert ray.get(verifier.ready.remote(), timeout=10)["pid"]   # well inside the group's 60 s timeout
-        with pytest.raises(Exception, match="dead|rank|verifier"):
-            llm.generate(PROMPTS[0], greedy(4))
-    finally:
-        llm.shutdown()
+def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(sd_tp2):
+    """With no step in flight, rank 0's death (the verifier, and in sd the drafter beside it) ends rank 1's wait for
+    its next call at once (no rank left waiting on a dead group), and the engine reports dead without waiting for a
+    request to fail. Its shutdown still clears the keys the ranks met under. (The sd engine's last test.)"""
+    from ray.experimental import internal_kv
+    from minedraft_ray.runtime.rendezvous import KV_NAMESPACE
 
-
-def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tiny_llama):
-    """With no step in flight, rank 0's death ends rank 1's wait for its next call at once (no rank left waiting on
-    a dead group), and the engine reports dead without waiting for a request to fail."""
-    llm = LLM(tiny_llama, None, mode="ar", max_batch=2, tp=2, torch_threads=1, step_timeout_s=60)
+    llm = sd_tp2(take=True)
     try:
+        prefix = ray.get(llm.manager.__ray_call__.remote(lambda self: self.manager.actors.tp_group.prefix))
         assert len(llm.generate(PROMPTS[0], greedy(3))[0].token_ids) == 3
         deadline = time.time() + 10
         while llm.info()["slots_in_use"] and time.time() < deadline:   # the step queued behind the last one ends
@@ -292,21 +283,25 @@ def test_rank_0_dying_while_idle_ends_the_others_and_the_engine(ray_cluster, tin
         assert "target rank 1" in (llm.info()["dead"] or ""), llm.info()["dead"]
     finally:
         llm.shutdown()
+    assert internal_kv._internal_kv_list(prefix, namespace=KV_NAMESPACE) == []   # the group's keys went with it
 
 
 @pytest.fixture(scope="module")
 def psd_tp2(ray_cluster, tiny_llama, tiny_llama_draft):
     # the split forced at every load, so greedy output is checked through psd's own schedule; the collective
     # channel (the default on GPUs) links the drafter to rank 0, beside the ranks' own groups; a drafter that
-    # takes faults (none until a test sets them on it)
-    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=16, tp=2, torch_threads=1,
-              psd_low_load="psd", psd_high_load="psd", transport="collective", _workers=faulty_drafter())
-    yield llm
-    llm.shutdown()
+    # takes faults (none until a test sets them on it). psd_tp2(take=True): the engine leaves the fixture, to the
+    # caller, who ends it (the rank-kill drill, its last test)
+    started = {"llm": LLM(tiny_llama, tiny_llama_draft, mode="psd", k=2, max_batch=16, tp=2, torch_threads=1,
+                          psd_low_load="psd", psd_high_load="psd", transport="collective", _workers=faulty_drafter())}
+    yield lambda take=False: started.pop("llm") if take else started["llm"]
+    if started:
+        started["llm"].shutdown()
 
 
 def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
     """The target's two ranks on two (fake) GPUs, the drafter on a third."""
+    psd_tp2 = psd_tp2()
     outs = psd_tp2.generate(PROMPTS, [greedy(n) for n in LENGTHS])
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert any(h.regime == "psd" for h in psd_tp2.history())
@@ -319,6 +314,7 @@ def test_greedy_psd_at_tp2_equals_ar(psd_tp2, reference):
 def test_psd_sampled_output_at_tp2_follows_target(psd_tp2, tiny_llama):
     """Rank 0 samples from the logits all-gathered over the vocabulary: the target's exact distribution of the
     first three tokens."""
+    psd_tp2 = psd_tp2()
     from stats import assert_first_three_tokens_follow_target
     params = dict(temperature=0.8, top_k=3)
     n = 1000
@@ -333,6 +329,7 @@ def test_the_ranks_rendezvous_opens_no_listener(psd_tp2):
     no process of the engine listens for the rendezvous. The manager, which starts the ranks, listens on nothing
     but its Ray worker's port; each rank only for its two gloo groups (gloo listens once per group's device), and
     rank 0 (the verifier) and the drafter for the link between them."""
+    psd_tp2 = psd_tp2()
     from runtime_common import listeners_beside_ray
     found = listeners_beside_ray(psd_tp2)
     assert found["manager"] == [], found
@@ -343,6 +340,7 @@ def test_every_rank_holds_the_same_kv_blocks(psd_tp2):
     """Every rank sizes its pool as the least of all ranks (runtime/workers.py `_pool_blocks`) and applies the
     scheduler's table changes: the same blocks and block tables on every rank, each of its own half of the KV
     heads."""
+    psd_tp2 = psd_tp2()
     def caches(self):
         def layout(runner):
             c, cfg = runner.cache, runner.model.cfg
@@ -366,6 +364,7 @@ def test_drafter_killed_mid_run_at_tp2(psd_tp2, reference):
     """psd at tp 2: the drafter killed while it drafts a round (its rounds slowed, so the kill lands inside one)
     fails no request and the output stays ar's; the engine serves ar meanwhile and restarts the drafter, linked
     to rank 0 again, while the target's ranks and their groups stay as they are."""
+    psd_tp2 = psd_tp2()
     manager, pids = psd_tp2.manager, _pids(psd_tp2)
     drafter = ray.get(manager.__ray_call__.remote(lambda self: self.manager.drafter))
     ray.get(drafter.__ray_call__.remote(lambda a: setattr(a.worker.drafter, "faults", DrafterFaults(delay_s=0.2))))
@@ -393,6 +392,7 @@ def test_drafter_killed_mid_run_at_tp2(psd_tp2, reference):
 def test_reconfigure_at_tp2(psd_tp2, reference):
     """k and the prefill chunk changed in place at tp 2 (rank 0's verify width, and the chunks every rank
     extends its KV by): the same rank processes, output still ar's, drafts of the new k."""
+    psd_tp2 = psd_tp2()
     from test_chunked_prefill import reconfigure_when_idle
     pids, k0, chunk0 = _pids(psd_tp2), psd_tp2.info()["k"], psd_tp2.info()["prefill_chunk_tokens"]
     try:
@@ -406,6 +406,29 @@ def test_reconfigure_at_tp2(psd_tp2, reference):
                                                                     *self.manager.actors.ranks)])) == pids
     finally:
         reconfigure_when_idle(psd_tp2, k=k0, prefill_chunk_tokens=chunk0 or 0)
+
+
+def test_a_rank_killed_mid_run_kills_the_engine_and_frees_rank_0(psd_tp2):
+    """Rank 1 dies inside a run: the requests fail with an error, the engine reports dead (Serve replaces such a
+    replica), and rank 0 is not left blocked in a collective with it (nor on the drafter's link): it answers at once.
+    (The psd engine's last test: it ends it.)"""
+    llm = psd_tp2(take=True)
+    try:
+        verifier, (rank1,) = _actors(llm)
+        steps_before = llm.info()["steps"]
+        ref = llm.manager.generate_batch.remote([llm._encode(p) for p in PROMPTS[:2]], [greedy(1500)] * 2)
+        deadline = time.time() + 60
+        while llm.info()["steps"] < steps_before + 3 and time.time() < deadline:   # mid-run, not before or after
+            time.sleep(0.05)
+        ray.kill(rank1, no_restart=True)
+        with pytest.raises(Exception):
+            ray.get(ref, timeout=30)
+        assert llm.info()["dead"]
+        assert ray.get(verifier.ready.remote(), timeout=10)["pid"]   # well inside the group's timeout
+        with pytest.raises(Exception, match="dead|rank|verifier"):
+            llm.generate(PROMPTS[0], greedy(4))
+    finally:
+        llm.shutdown()
 
 
 # ---- the rendezvous: a torch.distributed store in Ray's GCS (runtime/rendezvous.py) ---------------------------
