@@ -572,6 +572,48 @@ def test_fused_prefill_invariants_hold_through_random_events(mode, max_batch, bu
     run_events(mode, max_batch, 2, events, drawn(data), budget, fuse=True)
 
 
+@st.composite
+def verify_rows(draw):
+    """A verify row's drafts (0: none) and its emitted tokens: 1..drafts + 1 of them."""
+    num_drafts = draw(st.integers(0, K))
+    return num_drafts, draw(st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=1, max_size=num_drafts + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(max_tokens=st.integers(1, 12), stops=st.sets(st.sampled_from([EOS, 7]), max_size=2),
+       rows=st.lists(verify_rows(), max_size=8))
+def test_a_commit_keeps_a_rows_tokens_up_to_its_first_stop_or_max_tokens(max_tokens, stops, rows):
+    """commit_tokens (Request.append, sliced) against the cut read token by token: a row's tokens are kept up to and
+    including the first stop id, or up to max_tokens (a stop id that is the last token allowed is a stop), its
+    logprobs with them; a finished request gets no more rows (the manager drops them). Its acceptance counts:
+    draft position j of a drafted row was accepted when the row emitted more than j + 1 tokens."""
+    r = Request([2, 3], SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=tuple(stops)))
+    out, reason, drafted, accepted = [], None, [0] * K, [0] * K
+    for step, (num_drafts, toks) in enumerate(rows):
+        if reason is not None:
+            break
+        logprobs = [{tok: -float(step * 10 + i)} for i, tok in enumerate(toks)]
+        kept = commit_tokens([r], [toks], [logprobs], [num_drafts])[0]
+        expected = []
+        for tok in toks:
+            expected.append(tok)
+            if tok in stops:
+                reason = "stop"
+                break
+            if len(out) + len(expected) >= max_tokens:
+                reason = "length"
+                break
+        assert kept == expected, (out, toks)
+        assert r.logprobs[len(out):] == logprobs[:len(expected)]
+        out += expected
+        assert r.output_ids == out and r.finish_reason == reason and len(out) <= max_tokens
+        for j in range(num_drafts):
+            drafted[j] += 1
+            accepted[j] += j < len(toks) - 1
+    n = max((j + 1 for j in range(K) if drafted[j]), default=0)
+    assert r.stats.drafted_per_position == drafted[:n] and r.stats.accepted_per_position == accepted[:n]
+
+
 @pytest.mark.parametrize("mode", ["psd", "sd_split", "sd", "ar"])
 def test_chunks_ride_inside_verifies_while_requests_decode(mode):
     """Not vacuous: with requests decoding, later prompts' chunks ride inside verifies (and while nothing decodes
