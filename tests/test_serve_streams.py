@@ -349,3 +349,38 @@ def test_loop_lag_watch_sees_a_blocked_loop():
 
     lags, seen = asyncio.run(main())
     assert max(lags) >= 0.25 and len(lags) == seen and min(lags) >= 0.0
+
+
+def test_a_stopping_replica_hands_out_its_outputs_first(ray_cluster):
+    """OutputBatcher.drain (a stopping engine replica, whose mailbox dies with it): what is pending goes at once,
+    and the call returns once the subscriber has taken everything; with nobody taking it gives up at its timeout,
+    and at once when the mailbox is gone."""
+    async def scenario():
+        import ray
+
+        mailbox = start_mailbox()
+        await mailbox.alive.remote()
+        batcher = OutputBatcher(mailbox, interval_s=60.0)
+        batcher.put("ingress", StepOutput("a", [1]), urgent=True)
+        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("ingress"))] == [[1]]
+        batcher.put("ingress", StepOutput("a", [2]))                    # pending: its grid time is a minute away
+        batcher.put("ingress", StepOutput("b", [7], finished=True, finish_reason="length"))
+        t0 = time.monotonic()
+        assert not await batcher.drain(0.3)                              # sent, but nobody took it
+        assert time.monotonic() - t0 >= 0.3
+
+        async def take_soon():
+            await asyncio.sleep(0.2)
+            return unpickled(await mailbox.take.remote("ingress"))
+        taker = asyncio.create_task(take_soon())
+        assert await batcher.drain(60.0)                                 # returns once it was taken
+        taken = await taker
+        tokens = {}
+        for out in taken:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert tokens == {"a": [2], "b": [7]}
+        ray.kill(mailbox)
+        batcher.put("ingress", StepOutput("a", [3], finished=True, finish_reason="length"))
+        t1 = time.monotonic()
+        assert not await batcher.drain(60.0) and time.monotonic() - t1 < 30   # a dead mailbox: at once
+    asyncio.run(scenario())

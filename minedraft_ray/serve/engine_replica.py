@@ -16,6 +16,9 @@ from .guard import bind_replica_grpc_to_node_ip
 from .streams import Accepted, FlushRecord, OutputBatcher, Refusal, RequestSink, start_mailbox
 
 
+MAILBOX_DRAIN_S = 1.0   # the longest a stopping replica waits for its ingress replicas to take their outputs
+
+
 @serve.deployment(name="MineDraftEngine", health_check_timeout_s=30)
 class EngineServer:
     async def __init__(self, config: dict, vocab_limit: int | None):
@@ -74,4 +77,6 @@ class EngineServer:
             raise RuntimeError(f"engine is dead: {self.manager.dead}")
 
     async def __del__(self):
-        await self.manager.shutdown()
+        await self.manager.shutdown()   # a request still running ends with an error output
+        # the mailbox dies with this process: its outputs (every request's last) are handed out first
+        await self.outputs.drain(MAILBOX_DRAIN_S)

@@ -39,6 +39,7 @@ from ..runtime.streams import StepOutput
 log = logging.getLogger("minedraft.serve")
 
 POLL_S = 5.0           # a mailbox long-poll returns empty after this long
+DRAIN_POLL_S = 0.02    # a stopping engine replica asks its mailbox this often whether its outputs were taken
 STALE_S = 120.0        # outputs of a subscriber that has not polled for this long are dropped (its replica is gone)
 
 
@@ -137,6 +138,10 @@ class Mailbox:
 
     async def alive(self) -> bool:
         return True
+
+    async def undelivered(self) -> tuple[int, int]:
+        """(batches applied, in the sender's sequence; batches still held for their subscribers)."""
+        return self.next_seq, sum(map(len, self.boxes.values())) + len(self.early)
 
     async def put(self, seq: int, batch: dict[str, bytes], release_at: float = 0.0) -> None:
         """Batch `seq` of the engine replica's sequence, released to its subscribers at `release_at` (0: at once):
@@ -277,6 +282,29 @@ class OutputBatcher:
         self.urgent = {}
         for release_at, batch in sorted(by_release.items()):
             self._send(batch, release_at)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Send every pending output now and wait, up to timeout_s, until the mailbox has handed out all that was
+        sent: it dies with this replica, and a request's last output may still wait there for its ingress's next
+        take when the replica stops. False when something was left (or the mailbox is gone)."""
+        for subscriber, outs in self.pending.items():
+            self.urgent.setdefault(subscriber, set()).update(outs)
+        for handle in (self.rush, self.timer):
+            if handle is not None:
+                handle.cancel()
+        self.timer = None
+        self._flush_urgent()   # each at once, none before an output of its request the mailbox holds
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                applied, held = await self.mailbox.undelivered.remote()
+            except ray.exceptions.RayActorError:
+                return False
+            if applied >= self.seq and not held:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
 
     def _flush(self, now: float, due: float, release_at: float) -> None:
         """The interval's flush: everything pending, released at `release_at`. When that is ahead (the mailbox
