@@ -30,13 +30,47 @@ NAME = "host_overhead_cpu"
 COLUMNS = ["tree", "run", "git_sha", "prefill_chunk_tokens", "host_ms_median", "manager_cpu_ms_per_step",
            "manager_cpu_us_per_token", "host_ms_mean", "host_ms_p90", "steps",
            "step_ms_median",
-           "wall_s", "load_before", "max_batch", "k", "max_tokens", "target", "draft", "device"]
+           "wall_s", "pinned", "load_before", "max_batch", "k", "max_tokens", "target", "draft", "device"]
 
 
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) the process has used so far, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process below `root` (this run's Ray: its GCS, raylet and workers are the driver's)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def pin_manager(manager_pid: int) -> bool:
+    """The manager's threads alone on the last core, every other process of this run (driver, Ray's own, the
+    workers) on the rest: the host time measured is the manager's own, not its wait for a core the verifier
+    holds. Affinity is per thread, so each thread of each process is pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return False
+    for pid in descendants(os.getpid()) | {os.getpid()}:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), {cores[-1]} if pid == manager_pid else set(cores[:-1]))
+            except (OSError, ValueError):   # a thread that ended meanwhile
+                pass
+    return True
 
 
 def measure_one(args) -> dict:
@@ -58,6 +92,7 @@ def measure_one(args) -> dict:
                   for i in range(n)]
         llm.generate(prompts[:4], params[:4])   # warm-up: first calls, allocations
         pid = ray.get(llm.manager.__ray_call__.remote(lambda actor: os.getpid()))
+        pinned = args.pin and pin_manager(pid)
         skip = len(llm.history())
         t0, cpu0 = time.perf_counter(), process_cpu_s(pid)
         for _ in range(args.repeats):
@@ -73,7 +108,7 @@ def measure_one(args) -> dict:
                 "host_ms_mean": statistics.fmean(host), "host_ms_p90": host[int(0.9 * (len(host) - 1))],
                 "step_ms_median": statistics.median(h.step_ms for h in hist), "wall_s": wall,
                 "max_batch": args.max_batch, "k": args.k, "max_tokens": args.max_tokens, "target": args.target,
-                "draft": args.draft, "device": f"cpu ({os.cpu_count()} cores)"}
+                "draft": args.draft, "device": f"cpu ({os.cpu_count()} cores)", "pinned": pinned}
     finally:
         llm.shutdown()
 
@@ -82,7 +117,7 @@ def run_tree(tree: Path, args, chunk_tokens: int | None = None) -> dict:
     """One run of the tree at `tree` in a fresh process."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "--max-batch", str(args.max_batch),
            "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats),
-           "--target", args.target, "--draft", args.draft]
+           "--target", args.target, "--draft", args.draft] + ([] if args.pin else ["--no-pin"])
     cmd += ["--prefill-chunk-tokens", str(-1 if chunk_tokens is None else chunk_tokens)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
@@ -107,6 +142,9 @@ def main():
                     help="the change's per-step prefill budget (default 0: whole prompts, as the parent, which "
                          "predates chunked prefill, always plans them, so both trees run the same steps; -1: the "
                          "config's default)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false",
+                    help="leave the manager's process to the OS scheduler (default: alone on the last core, "
+                         "everything else of the run on the others)")
     ap.add_argument("--note", default="", help="what else ran on the machine")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
@@ -163,7 +201,10 @@ def main():
              "moves less than wall time with the machine's load; per generated token: the same CPU over the tokens "
              "both trees generate alike (the parent records two more steps a pass: its new requests' first verify "
              "carries no drafts)",
-             "load_before: the 1-minute load average before the run (other sessions share the cores)"]
+             "load_before: the 1-minute load average before the run (other sessions share the cores)",
+             "pinned: the manager's threads alone on the last core and every other process of the run (driver, "
+             "Ray's, the workers) on the others, so host_ms is the manager's own time, not its waits for a core "
+             "the verifier or drafter holds (unpinned, one tree's runs spread over +-20 %)"]
     if args.note:
         notes.append(args.note)
     write_results(rows, args.out, NAME, COLUMNS, "psd's per-step host overhead on a CPU, change against parent",
