@@ -64,6 +64,25 @@ def test_ingress_side_modules_import_without_torch(module):
     assert not torch_modules(imported_by(module))
 
 
+BUILD_THE_APP = """
+import sys, types
+from minedraft_ray.serve.app import build_app_with_key
+build_app_with_key({"mode": "psd"}, None)   # the embedded pair, checked
+def holds_torch(module):   # torch, or a module of it, among its names
+    return any(isinstance(v, types.ModuleType) and v.__name__.split(".")[0] == "torch" for v in vars(module).values())
+print(*[name for name, m in list(sys.modules.items()) if name.startswith("minedraft_ray.") and m and holds_torch(m)])
+"""
+
+
+def test_the_app_builder_imports_none_of_the_engines_torch_side():
+    """The Serve app builder (`serve run`, `minedraft serve`, every deploy) checks the pair and finds the tokenizer's
+    class from the model folders' config and tokenizer files, in a process that runs no model: the pair check's module
+    imports no torch, and no module of ours that the build loads holds torch (transformers' AutoTokenizer, which the
+    build needs, imports torch itself while torch is installed)."""
+    assert not torch_modules(imported_by("minedraft_ray.engine.pair"))
+    assert run_fresh(BUILD_THE_APP).split() == []
+
+
 # what the batch manager's processes import: the LLM's manager actor (runtime/llm.py, whose ManagerActor Ray pickles
 # by reference) and the Serve engine replica. They keep books and drive the worker actors, which own the tensors;
 # torch's import cost each of them about a CPU-second at start (the suite starts dozens)

@@ -8,7 +8,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from minedraft_ray.engine.hf_config import UnsupportedArchitectureError
-from minedraft_ray.engine.loader import CheckpointError, IncompatiblePairError, check_pair, load_model
+from minedraft_ray.engine.loader import CheckpointError, load_model
+from minedraft_ray.engine.pair import IncompatiblePairError, check_pair
 from minedraft_ray.engine.model import ModelConfig
 from minedraft_ray.testing.tiny import make_tiny_model
 

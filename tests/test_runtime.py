@@ -35,7 +35,7 @@ def test_an_incompatible_draft_is_refused_by_llm_and_the_serve_builder(tiny_llam
     shares): LLM and the Serve app builder refuse a draft whose EOS differs, before any engine starts."""
     import json
     import shutil
-    from minedraft_ray.engine.loader import IncompatiblePairError
+    from minedraft_ray.engine.pair import IncompatiblePairError
     from minedraft_ray.serve.app import build_app
 
     draft = shutil.copytree(tiny_llama_draft, tmp_path / "other_eos")
@@ -278,10 +278,11 @@ def test_sd_drafts_from_slot_state_match_host_catch_up(tiny_llama, tiny_llama_dr
     slot state follows the committed tokens."""
     import torch
     from minedraft_ray.config import EngineConfig
+    from minedraft_ray.engine.pair import shared_vocab
     from minedraft_ray.engine.request import DraftRow
     from minedraft_ray.runtime.messages import (KVEdits, PrefillRow, PrefillTask, SamplingRow, SpecStep, VerifierResult,
                                                 WorkerConfig)
-    from minedraft_ray.runtime.workers import SpecWorker, shared_vocab
+    from minedraft_ray.runtime.workers import SpecWorker
 
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="sd", k=3, max_batch=4,
                           device="cpu", torch_threads=1, draft_temperature=draft_temperature)
@@ -325,9 +326,10 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
     (and q), for new rows (prompt prefilled on the drafter + prefill + first verify) and for rows whose
     drafts were partly accepted, wholly accepted or all rejected."""
     from minedraft_ray.config import EngineConfig
+    from minedraft_ray.engine.pair import shared_vocab
     from minedraft_ray.runtime.messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, VerifierResult,
                                                 WorkerConfig)
-    from minedraft_ray.runtime.workers import DrafterWorker, shared_vocab
+    from minedraft_ray.runtime.workers import DrafterWorker
 
     k = 3
     engine = EngineConfig(target=str(tiny_llama), draft=str(tiny_llama_draft), mode="psd", k=k, max_batch=4,

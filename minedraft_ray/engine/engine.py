@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from .kv_blocks import HEADROOM, MAX_K, BlocksExhaustedError, CacheSizeError, DEFAULT_BLOCK_SIZE, SlotAllocator
 from .kv_cache import bytes_per_token
-from .loader import check_pair, load_model, load_tokenizer
+from .loader import load_model, load_tokenizer
+from .pair import check_pair
 from .presets import resolve_model
 from .request import GenerationOutput, Request, commit_tokens, draft_rows
 from .runner import PREFILL_TOKEN_BUDGET, ModelRunner

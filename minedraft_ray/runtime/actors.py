@@ -144,7 +144,7 @@ class TargetRankActor(_WorkerActor):
 class WorkerActors:
     def __init__(self, config: EngineConfig, num_slots: int, channel: DraftChannel, workers: WorkerSet,
                  placement_group: PlacementGroup | None, vocab_limit: int | None):
-        """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked before the engine started."""
+        """vocab_limit: the pair's shared_vocab (engine/pair.py), checked before the engine started."""
         self.config, self.num_slots, self.channel, self.workers = config, num_slots, channel, workers
         self.worker_config = WorkerConfig(config.model_dump(), vocab_limit)
         self.mode = config.mode

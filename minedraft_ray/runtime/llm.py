@@ -125,10 +125,10 @@ class LLM:
                 fields["draft"] = draft
             config = EngineConfig(**fields)
         self.config = config
-        # the driver's side only (torch, transformers): the manager's actor imports this module too
-        from ..engine.loader import load_tokenizer
+        # the driver's side only (transformers): the manager's actor imports this module too
+        from ..engine.pair import shared_vocab
         from ..engine.presets import resolve_model
-        from .workers import shared_vocab
+        from ..engine.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(resolve_model(config.target))
         vocab_limit = shared_vocab(config)   # the pair checked here, beside the tokenizer, before anything starts
         init_local_ray()

@@ -119,7 +119,7 @@ def default_prefill_chunk(on_gpu: bool) -> int:
 class BatchManager:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
                  workers: WorkerSet | None = None, *, vocab_limit: int | None):
-        """vocab_limit: the pair's shared_vocab (workers.shared_vocab), checked by whoever starts the engine."""
+        """vocab_limit: the pair's shared_vocab (engine/pair.py), checked by whoever starts the engine."""
         target_dir = resolve_model(config.target)
         model_cfg = ModelSpec.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)

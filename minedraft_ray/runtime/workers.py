@@ -21,7 +21,7 @@ from ..config import EngineConfig
 from ..engine.attention import DecodeRows
 from ..engine.engine import ACTIVATION_MARGIN_BYTES, activation_bytes, default_device, pool_tokens
 from ..engine.kv_blocks import HEADROOM, CacheSizeError
-from ..engine.loader import check_pair, load_model
+from ..engine.loader import load_model
 from ..engine.model import ModelConfig
 from ..engine.parallel import ShardedRunner, TensorParallel
 from ..engine.presets import resolve_model
@@ -118,17 +118,6 @@ class LaunchOrder:
 def sampling_batch(rows: list[SamplingRow], device) -> SamplingBatch:
     params = [SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k) for r in rows]
     return SamplingBatch.build(params, device, seeds=[r.seed for r in rows])
-
-
-def shared_vocab(config: EngineConfig) -> int | None:
-    """The ids both the target and the draft may emit (None without a drafter); IncompatiblePairError unless the
-    draft's ids mean the target's text. Checked once, by whoever starts the engine (LLM, the Serve app builder),
-    where the tokenizer is loaded anyway: the manager and the worker actors start without transformers, whose
-    import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart)."""
-    if not config.uses_drafter:
-        return None
-    return check_pair(resolve_model(config.target, config.revision, config.download_dir),
-                      resolve_model(config.draft, config.draft_revision, config.download_dir)).shared_vocab
 
 
 class _Worker:

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import EngineConfig
 from ..engine.hf_config import eos_token_ids, read_hf_config
 from ..engine.hub import with_local_models
+from ..engine.pair import shared_vocab
 from ..engine.presets import resolve_model
 from ..engine.sampling_params import SamplingParams
 from ..engine.tokenizer import load_chat_template, load_tokenizer, tokenizer_class_path
@@ -848,8 +849,7 @@ def build_app(args: dict | None = None):
 
 
 def build_app_with_key(args: dict | None, api_key: str | None):
-    # here, not at the top: the ingress replicas import this module, and these import the runtime's torch side
-    from ..runtime.workers import shared_vocab
+    # here, not at the top: the ingress replicas import this module, and they run no batch manager
     from .engine_replica import EngineServer
 
     config = load_config(args)
