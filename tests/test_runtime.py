@@ -376,7 +376,9 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
 def test_step_timer_on_cpu_times_its_block_not_the_read():
     import time as _time
     from minedraft_ray.runtime.workers import StepTimer
+    outside = _time.perf_counter()
     with StepTimer(__import__("torch").device("cpu")) as timer:
         _time.sleep(0.02)
+    outside = (_time.perf_counter() - outside) * 1e3   # the block seen from outside it: however slow the machine
     _time.sleep(0.1)    # work after the block (sd reads its draft timer after the verify) must not count
-    assert 15 <= timer.ms < 80, timer.ms
+    assert 15 <= timer.ms <= outside, (timer.ms, outside)
