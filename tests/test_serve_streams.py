@@ -68,10 +68,10 @@ def test_merge_outputs():
 
 
 def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
-    """"At once" is checked against an output held for the grid time, not against a clock: an urgent output must
-    come back while another request's output of the same moment is still held (an interval, 1 s, away), so a slow
-    round trip on a loaded machine does not fail it, and an urgent output that waited for the grid time comes back
-    with the held one every time."""
+    """"At once" is checked against another request's output of the same moment, held for the grid time an
+    interval on, not against a clock: a's first and last outputs must come back while b's is still held. A slow
+    round trip on a loaded machine does not fail that; an urgent output that waited for the grid time comes back
+    with b's every time."""
     async def scenario():
         mailbox = start_mailbox()
         await mailbox.alive.remote()   # the actor is up
