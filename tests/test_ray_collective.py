@@ -80,8 +80,8 @@ def test_close_releases_a_waiting_receive_at_once(live_pair):
     channel = RayCollectiveChannel()
     channel.generation = 1
     channel.drafter_gone(verifier)   # the manager's call once Ray reports the drafter dead or replaced
-    error, waited = ray.get(waiting, timeout=10)
-    assert "ConnectionError" in error and waited < 5, (error, waited)
+    error, waited = ray.get(waiting, timeout=30)
+    assert "ConnectionError" in error and waited < TIMEOUT_S / 2, (error, waited)   # not the link's timeout
 
 
 def test_a_dead_peer_fails_a_waiting_receive_and_a_restarted_one_gets_a_new_channel(ray_cluster):
@@ -109,4 +109,5 @@ def test_a_receive_from_a_silent_peer_gives_up_after_the_timeout(live_pair):
     silent_s = 2.0
     verifier, drafter = _open(*live_pair, "test-timeout", timeout_s=silent_s)
     error, waited = ray.get(verifier.recv.remote((2, 3), 1), timeout=30)
-    assert "TimeoutError" in error and silent_s <= waited < silent_s + 3, (error, waited)
+    # its own timeout, not the channel's default (TIMEOUT_S, 20 s)
+    assert "TimeoutError" in error and silent_s <= waited < silent_s + 8, (error, waited)

@@ -204,6 +204,9 @@ def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():
     assert order.next_seq == 4
 
 
+ABORTED_LEN = 120
+
+
 def test_psd_staggered_arrivals_and_aborts(shared_psd, reference):
     # psd at every load (no sequential batch, low or high load): the balance invariant through arrivals, finishes,
     # aborts
@@ -214,7 +217,9 @@ def test_psd_staggered_arrivals_and_aborts(shared_psd, reference):
         await asyncio.sleep(delay)
         ids, last = [], None
         rid = f"r{i}-{abort_after}"
-        async for out in llm.stream(PROMPTS[i], greedy(LENGTHS[i] if abort_after is None else 40), rid):
+        # an aborted request asks for many more tokens than it reads before its abort: room for the abort's round
+        # trip while the engine keeps stepping, however slow the machine
+        async for out in llm.stream(PROMPTS[i], greedy(LENGTHS[i] if abort_after is None else ABORTED_LEN), rid):
             ids += out.new_token_ids
             last = out
             if abort_after is not None and len(ids) >= abort_after:
@@ -232,7 +237,7 @@ def test_psd_staggered_arrivals_and_aborts(shared_psd, reference):
         assert last.finished and last.finish_reason == "length"
     for ids, last in results[len(PROMPTS):]:
         assert last.finish_reason == "abort"
-        assert len(ids) < 40
+        assert len(ids) < ABORTED_LEN
     history = llm.history()
     check_balance(history)
     info = settled(llm)
@@ -378,7 +383,9 @@ def test_drafts_ahead_match_drafts_from_committed_tokens(tiny_llama, tiny_llama_
 def test_step_timer_on_cpu_times_its_block_not_the_read():
     import time as _time
     from minedraft_ray.runtime.workers import StepTimer
+    outside = _time.perf_counter()
     with StepTimer(__import__("torch").device("cpu")) as timer:
         _time.sleep(0.02)
+    outside = (_time.perf_counter() - outside) * 1e3   # the block seen from outside it: however slow the machine
     _time.sleep(0.1)    # work after the block (sd reads its draft timer after the verify) must not count
-    assert 15 <= timer.ms < 80, timer.ms
+    assert 15 <= timer.ms <= outside, (timer.ms, outside)

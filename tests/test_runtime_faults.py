@@ -97,15 +97,16 @@ def test_drafter_killed_mid_run(ray_cluster, shared_engines, tiny_llama, tiny_ll
 
 
 # each fault on each channel once (suite time: not every pairing)
-@pytest.mark.parametrize("fault, transport, timeout_s, bound_s", [
-    ("error_at", "collective", 60, 45), ("hang_at", "object_store", 5, 10), ("hang_at", "ray_collective", 5, 10)])
+@pytest.mark.parametrize("fault, transport, timeout_s", [
+    ("error_at", "collective", 60), ("hang_at", "object_store", 5), ("hang_at", "ray_collective", 5)])
 def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
-        ray_cluster, shared_engines, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s, bound_s):
+        ray_cluster, shared_engines, tiny_llama, tiny_llama_draft, reference, fault, transport, timeout_s):
     """A round that raises on the drafter (which stays alive), or hangs there without returning, leaves its verify
     waiting for the drafts (on the link, or as a task argument). The engine replaces the drafter, on the error at
     once and on the hang after the manager's wait times out (step_timeout_s); that ends the old link, so the
     verify runs without drafts instead of waiting out the link's own timeout, or the hour the round hangs. The
-    output is still ar's, and nothing waits longer than about one timeout."""
+    output is still ar's, and nothing waits longer than about one timeout. The waits are read as the stalls
+    between the engine's steps (the steps' hand-out times), so a loaded machine's slower steps do not count."""
     shared = transport in SHARED
     if shared:
         assert SHARED[transport]["step_timeout_s"] == timeout_s
@@ -118,12 +119,15 @@ def test_a_round_failing_or_hanging_on_a_live_drafter_does_not_stall_its_verify(
         before = llm.info()
         t0 = time.time()
         outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
-        elapsed = time.time() - t0
+        t1 = time.time()
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
         change = changes(before, llm)
         assert change["drafter_failures"] >= 1 and change["draft_rounds_failed"] >= 1, change
-        # error: well before the 60 s timeout; hang: one 5 s timeout (~5.3 s here), not one per waiting call
-        assert elapsed < bound_s, elapsed
+        emits = sorted(h.t_emit for h in llm.history() if t0 <= h.t_emit <= t1)
+        stalls = [b - a for a, b in zip([t0, *emits], [*emits, t1]) if b - a > timeout_s / 2]
+        # error: no wait of half the 60 s timeout; hang: one wait of one timeout (and the drafter's replacement),
+        # not one per waiting call
+        assert len(stalls) == (fault == "hang_at") and sum(stalls) < 1.5 * timeout_s, (stalls, t1 - t0)
     finally:
         if not shared:
             llm.shutdown()

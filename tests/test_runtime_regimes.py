@@ -146,9 +146,11 @@ def test_stream_interval_merges_outputs_but_not_the_first_or_last(request, ray_c
         assert tokens == reference[1].token_ids and items[-1][1].finished
         steps = len([h for h in llm.history() if h.regime == "sd"]) - steps_before
         if interval_ms:
-            gaps = [b - a for (a, _), (b, _) in zip(items[:-2], items[1:-1])]   # the last may come early
-            assert all(g >= 0.6 * interval_ms / 1e3 for g in gaps), gaps   # merged (steps are ~10 ms here)
-            assert len(items) < steps
+            # the engine sends the first at once and each later one (the last may come early) an interval after
+            # the one before, so the one before the last comes no sooner than that many intervals from the call:
+            # a bound a loaded machine only loosens (it delays the outputs, and this consumer bunches them)
+            assert (len(items) - 2) * interval_ms / 1e3 <= items[-2][0], [t for t, _ in items]
+            assert len(items) < steps   # merged (steps are ~10 ms here)
         else:
             # no time-based merging: outputs go as they come, but a consumer that falls behind (a loaded machine)
             # gets what queued up for it in one item, so "one per step" is an upper bound, not a count

@@ -350,9 +350,9 @@ def test_overload_is_429_with_retry_after_and_one_log_line(url, ray_cluster):
 
     tracebacks_before = {p: text.count("Traceback") for p, text in logs().items()}
 
-    def stream(_):
+    def stream(_):   # long enough that none ends before the last arrives, however slowly the machine sends them
         return requests.post(url + "/v1/completions", headers=AUTH, stream=True, timeout=60,
-                             json={"model": MODEL, "prompt": "hi", "max_tokens": 100, "ignore_eos": True,
+                             json={"model": MODEL, "prompt": "hi", "max_tokens": 900, "ignore_eos": True,
                                    "stream": True})
 
     with cf.ThreadPoolExecutor(capacity + 4) as pool:

@@ -68,25 +68,29 @@ def test_merge_outputs():
 
 
 def test_batches_per_interval_and_urgent_outputs_go_at_once_alone(ray_cluster):
+    """"At once" is checked against another request's output of the same moment, held for the grid time an
+    interval on, not against a clock: a's first and last outputs must come back while b's is still held. A slow
+    round trip on a loaded machine does not fail that; an urgent output that waited for the grid time comes back
+    with b's every time."""
     async def scenario():
         mailbox = start_mailbox()
         await mailbox.alive.remote()   # the actor is up
         batcher = OutputBatcher(mailbox, interval_s=1.0)
         t0 = time.perf_counter()
         batcher.put("ingress", StepOutput("a", [1]), urgent=True)        # a's first output: at once
+        batcher.put("ingress", StepOutput("b", [11]))                    # b's: the grid time (1 s on)
         first = unpickled(await mailbox.take.remote("ingress"))
-        assert [o.new_token_ids for o in first] == [[1]] and time.perf_counter() - t0 < 0.8
+        assert [(o.request_id, o.new_token_ids) for o in first] == [("a", [1])]   # b's still held
         for token in (2, 3, 4):                                          # within one interval: one output
             batcher.put("ingress", StepOutput("a", [token]))
             batcher.put("ingress", StepOutput("b", [10 + token]))
         batched = unpickled(await mailbox.take.remote("ingress"))
         assert time.perf_counter() - t0 >= 0.95
-        assert {o.request_id: o.new_token_ids for o in batched} == {"a": [2, 3, 4], "b": [12, 13, 14]}
-        t1 = time.perf_counter()
+        assert {o.request_id: o.new_token_ids for o in batched} == {"a": [2, 3, 4], "b": [11, 12, 13, 14]}
         batcher.put("ingress", StepOutput("b", [15]))                    # waits for the next interval
         batcher.put("ingress", StepOutput("a", [5], finished=True, finish_reason="length"))   # a finish: at once,
         last = unpickled(await mailbox.take.remote("ingress"))          # alone (b keeps its interval)
-        assert [(o.request_id, o.finished) for o in last] == [("a", True)] and time.perf_counter() - t1 < 0.8
+        assert [(o.request_id, o.finished) for o in last] == [("a", True)]   # b's 15 still held
         grid = unpickled(await mailbox.take.remote("ingress"))
         assert [o.new_token_ids for o in grid] == [[15]] and time.perf_counter() - t0 >= 1.95
         assert await mailbox.take.remote("ingress", 0.1) == []          # nothing left: an empty answer
@@ -156,16 +160,20 @@ def test_mailbox_holds_a_batch_until_its_release_time(ray_cluster):
 
     from minedraft_ray.serve.streams import Mailbox
 
+    # held 1 s: the three calls before the first take's answer fit in it on a loaded machine; a mailbox that
+    # releases a held batch early hands it over with b's every time
+    hold_s = 1.0
+
     async def scenario():
         mailbox = Mailbox.remote()
         await mailbox.alive.remote()
         t0 = time.monotonic()
-        await mailbox.put.remote(0, {"s": pickle.dumps([StepOutput("a", [1])])}, t0 + 0.4)   # sent ahead
-        await mailbox.put.remote(1, {"s": pickle.dumps([StepOutput("b", [2])])})            # at once
+        await mailbox.put.remote(0, {"s": pickle.dumps([StepOutput("a", [1])])}, t0 + hold_s)   # sent ahead
+        await mailbox.put.remote(1, {"s": pickle.dumps([StepOutput("b", [2])])})               # at once
         first = unpickled(await mailbox.take.remote("s"))
-        assert [o.request_id for o in first] == ["b"] and time.monotonic() < t0 + 0.4
+        assert [o.request_id for o in first] == ["b"]
         second = unpickled(await mailbox.take.remote("s"))
-        assert [o.request_id for o in second] == ["a"] and time.monotonic() >= t0 + 0.4
+        assert [o.request_id for o in second] == ["a"] and time.monotonic() >= t0 + hold_s
         ray.kill(mailbox)
 
     asyncio.run(scenario())
@@ -182,9 +190,14 @@ def test_a_grid_time_goes_ahead_of_a_busy_step_and_a_finish_does_not_overtake_it
         batcher.put("ingress", StepOutput("b", [7]))
         due = batcher.grid.next_due
         await asyncio.sleep(0.3)
+        before = time.monotonic()
+        assert before < due, "the loop woke past the grid time"
         batcher.step_done(0.8)            # the next step's commit would end past the grid time: sent now, held
+        after = time.monotonic()
         sent = batcher.history[-1]
-        assert sent.requests == 2 and sent.late_ms == 0 and sent.held_ms > 300
+        # held from the step's end until the grid time, however late the loop woke from its sleep
+        assert sent.requests == 2 and sent.late_ms == 0
+        assert (due - after) * 1e3 <= sent.held_ms <= (due - before) * 1e3
         batcher.put("ingress", StepOutput("b", [8]))                         # the next grid time's
         batcher.put("ingress", StepOutput("a", [3], finished=True, finish_reason="length"))
         got = unpickled(await mailbox.take.remote("ingress"))
@@ -205,7 +218,9 @@ def test_the_timer_sends_late_when_the_loop_is_held(ray_cluster):
         batcher = OutputBatcher(mailbox, interval_s=0.5)
         batcher.put("ingress", StepOutput("a", [1]), urgent=True)
         await mailbox.take.remote("ingress")
-        batcher.put("ingress", StepOutput("a", [2]))   # no step ends near the grid time: the timer sends it
+        # no step ends near the grid time: the timer sends it. b's: a's own, put after a slow round trip (over
+        # an interval since a's first), would go at once as an output that missed a grid time
+        batcher.put("ingress", StepOutput("b", [2]))
         time.sleep(0.8)                                # the loop is held past the grid time
         await asyncio.sleep(0.05)
         late = batcher.history[-1]
@@ -229,10 +244,11 @@ def test_a_request_that_missed_a_grid_time_goes_at_once(ray_cluster):
         batcher.put("ingress", StepOutput("b", [5]))                     # the grid's first time: 1 s on
         assert [o.request_id for o in unpickled(await mailbox.take.remote("ingress"))] == ["b"]
         await asyncio.sleep(0.1)                                        # a has had nothing for over an interval
-        t = time.monotonic()
         batcher.put("ingress", StepOutput("a", [2]))
-        assert [o.new_token_ids for o in unpickled(await mailbox.take.remote("ingress"))] == [[2]]
-        assert time.monotonic() - t < 0.5                               # the next grid time is 0.9 s away
+        batcher.put("ingress", StepOutput("b", [6]))                     # b's: the next grid time, 0.9 s away
+        # a's comes back while b's is held (not with it at the grid time)
+        assert [(o.request_id, o.new_token_ids) for o in unpickled(await mailbox.take.remote("ingress"))] == \
+            [("a", [2])]
         import ray
         ray.kill(mailbox)
 
@@ -274,7 +290,8 @@ def test_mailbox_drops_outputs_nobody_polls(ray_cluster, stale):
     from minedraft_ray.serve.streams import Mailbox
 
     async def scenario():
-        mailbox = Mailbox.remote(stale_s=0.5)
+        # fresh: the same two puts with no wait, against a stale time no round trip of a loaded machine reaches
+        mailbox = Mailbox.remote(stale_s=0.5 if stale else 60.0)
         await mailbox.put.remote(0, {"gone": pickle.dumps([StepOutput("a", [1])])})
         if stale:   # the subscriber's replica is gone: a later put, for anyone, drops its outputs
             await asyncio.sleep(0.7)

@@ -271,8 +271,11 @@ def test_smoke_report_sizes_and_loss_curve(smoke):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_time_driven_stage_ends_within_the_budget(tmp_path):
-    """Without pinned steps the cosine runs over seconds; the last stage must finish, not be cut off at the end."""
+def test_time_driven_stage_ends_within_the_budget(smoke, tmp_path):
+    """Without pinned steps the cosine runs over seconds; the last stage must finish, not be cut off at the end.
+    The smoke run's prep is reused (the fixture's own pattern): on a loaded machine the corpus scan would take
+    most of the budget, leaving the stage none to schedule over."""
+    shutil.copytree(smoke["ckpt"] / "prep", tmp_path / "ckpt" / "prep")
     t0 = time.time()
     rc = tp.main(["--smoke", "--target-steps", "0", "--time-budget-s", "10", "--stop-after", "target",
                   "--out", str(tmp_path / "out"), "--ckpt-dir", str(tmp_path / "ckpt")])
