@@ -122,3 +122,23 @@ def test_token_bytes_rebuild_multibyte_text(tok):
         assert bytes(b for i in ids for b in strings.bytes(i)) == text.encode()
     assert strings.bytes(tok.eos_token_id) == list(tok.eos_token.encode())
     assert strings.text(tok.encode(" c")[0]) == " c"
+
+
+def test_plain_decoder_equals_decode(tok):
+    """The streaming fast path (the Rust decode without transformers' layers) gives decode's text for any ids,
+    special ones included; a tokenizer that cleans up spaces keeps its own decode."""
+    from minedraft_ray.serve.detokenize import IncrementalDetokenizer, plain_decoder
+
+    decode = plain_decoder(tok)
+    assert decode is not None and IncrementalDetokenizer(tok, []).decoder is not None   # the fast path is taken
+    rng = random.Random(0)
+    windows = [tok.encode(t) for t in TEXTS] + [[rng.randrange(len(tok)) for _ in range(rng.randint(1, 8))]
+                                                 for _ in range(300)] + [list(tok.all_special_ids)]
+    for ids in windows:
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip), ids
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert plain_decoder(tok) is None
+    finally:
+        tok.clean_up_tokenization_spaces = False

@@ -22,11 +22,12 @@ an unexpected failure, 503 the engine is dead or restarting (/health too). 429 a
 Error bodies are OpenAI's error JSON and never carry exception text, tracebacks or Ray internals. A client
 that disconnects cancels its requests; the engine frees their slots.
 
-Tokenizing, detokenizing and request parsing run on a thread pool, never on the event loop that serves the
-other clients; prompts are counted before their ids are built, so an over-long prompt costs no list of
-millions of ids. A burst of new requests is admitted ADMITTING_AT_ONCE at a time (parse, tokenize, submit), so
-the running streams' chunks go out between the slices of its work instead of after all of it; that loop's lag
-is measured (serve/loop_lag.py, `minedraft_api_event_loop_lag_seconds` at /metrics).
+Tokenizing, detokenizing and request parsing run on a thread pool, not on the event loop that serves the
+other clients (but a small body's parsing and token-id prompt, cheaper than the hop: INLINE_BODY_BYTES); prompts are
+counted before their ids are built, so an over-long prompt costs no list of millions of ids. A burst of new
+requests is admitted ADMITTING_AT_ONCE at a time (parse, tokenize, submit), so the running streams' chunks
+go out between the slices of its work instead of after all of it; that loop's lag is measured
+(serve/loop_lag.py, `minedraft_api_event_loop_lag_seconds` at /metrics).
 """
 
 import asyncio
@@ -92,6 +93,8 @@ STREAM_ERROR_FINISH_REASON = "error"   # a choice cut short by a failure (as vLL
 ADMITTING_AT_ONCE = 4    # requests being admitted (parsed, tokenized, submitted) at once; the others wait their
                          # turn, so a burst's admission work comes in slices between the running streams' chunks
                          # instead of ahead of all of them
+INLINE_BODY_BYTES = 2048  # a body up to this size is parsed (and its token-id prompt checked) on the loop: a few
+                          # tens of us, less than the CPU of a hop to the pool and back (two hops per request before)
 INGRESS_HEADROOM = 1024  # ingress requests beyond the engine's capacity: cheap (async), and a burst of them
                          # must not take the slots /health and ordinary requests need
 
@@ -185,8 +188,10 @@ class Choice:
 
     def __init__(self, engine: DeploymentHandle, router: StreamRouter, index: int, prompt_ids: list[int],
                  params: SamplingParams, stop: list[str], request_id: str, tokenizer, timer: RequestTimer,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), generate: DeploymentHandle | None = None):
+        """generate: `engine`'s streaming `generate` handle, made once by the caller (made here without one)."""
         self.engine, self.router, self.index, self.prompt_ids, self.params = engine, router, index, prompt_ids, params
+        self.generate = generate or engine.options(method_name="generate", stream=True)
         self.request_id = request_id
         self.text = OutputText(tokenizer, prompt_ids, stop, params.stop_token_ids)
         self.timer = timer
@@ -203,8 +208,7 @@ class Choice:
 
     def submit(self) -> None:
         self.router.open(self.request_id, self)
-        self.stream = self.engine.generate.options(stream=True).remote(self.prompt_ids, self.params, self.request_id,
-                                                                       self.router.subscriber)
+        self.stream = self.generate.remote(self.prompt_ids, self.params, self.request_id, self.router.subscriber)
 
     async def accepted(self) -> None:
         """The engine's first answer: Accepted once queued, or the refusal as an APIError."""
@@ -376,6 +380,11 @@ async def _merge(choices: list[Choice]):
             choice.close()
 
 
+def _has_text(prompt) -> bool:
+    """Whether a completion prompt has text to tokenize (else it is token ids)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -391,6 +400,7 @@ class OpenAIServer:
         # one thread per encode: the tokenizer's own thread pool would take every core from the engine
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         self.engine = engine
+        self.generate = engine.options(method_name="generate", stream=True)   # built once, not per request
         self.config = with_local_models(EngineConfig.model_validate(config))
         self.tokenizer = load_tokenizer(self.config.target, tokenizer_class)
         self.eos_token_ids = frozenset(eos_token_ids(*read_hf_config(self.config.target)))
@@ -440,6 +450,10 @@ class OpenAIServer:
 
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _off_loop_unless_small(self, body: bytes, fn, *args):
+        """fn(*args) for a request of `body`: on the loop when the body is small (its work is too), else on the pool."""
+        return fn(*args) if len(body) <= INLINE_BODY_BYTES else await self._off_loop(fn, *args)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body within the size and time limits. Serve's proxy enforces them first where the ingress
@@ -518,7 +532,8 @@ class OpenAIServer:
                 params = self._params(req, len(prompt), max_tokens, num_logprobs, param, seed, limit, stop_token_ids)
                 index = p * req.n + i
                 choices.append(Choice(self.engine, self.router, index, prompt, params, stop, f"{base}-{index}",
-                                      self.tokenizer, self.metrics.request(len(prompt), arrived), self.eos_token_ids))
+                                      self.tokenizer, self.metrics.request(len(prompt), arrived), self.eos_token_ids,
+                                      self.generate))
                 self.choices[choices[-1].request_id] = choices[-1]
         for c in choices:   # all submitted before any await, so a refusal can close every one of them
             c.submit()
@@ -691,10 +706,13 @@ class OpenAIServer:
         body = await self._read_body(request)   # a slow client's body holds no admission slot
         limit = await self._context_limit()     # nor does the first wait for the engine's answer (then cached)
         async with self._admission():
-            req: CompletionRequest = await self._off_loop(parse, CompletionRequest, body)
+            req: CompletionRequest = await self._off_loop_unless_small(body, parse, CompletionRequest, body)
             req.check()
             self._check_model(req.model)
-            prompts = await self._off_loop(self._completion_prompts, req.prompt, limit)
+            if len(body) <= INLINE_BODY_BYTES and not _has_text(req.prompt):   # token ids: a copy and a range check
+                prompts = self._completion_prompts(req.prompt, limit)
+            else:   # text is tokenized on the pool
+                prompts = await self._off_loop(self._completion_prompts, req.prompt, limit)
             self.ignored.note("completions", req.ignored_fields())
             request_id = request_id_of(request.scope)
             choices = await self._submit(prompts, req, req.max_tokens, req.logprobs, "prompt", request_id, arrived)
@@ -709,7 +727,7 @@ class OpenAIServer:
         body = await self._read_body(request)
         limit = await self._context_limit()
         async with self._admission():
-            req: ChatCompletionRequest = await self._off_loop(parse, ChatCompletionRequest, body)
+            req: ChatCompletionRequest = await self._off_loop_unless_small(body, parse, ChatCompletionRequest, body)
             req.check()
             self._check_model(req.model)
             self.ignored.note("chat/completions", req.ignored_fields())

@@ -22,6 +22,22 @@ REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT = 5   # prompt tokens decoded with the output: SentencePiece spaces depend on the left context
 
 
+def plain_decoder(tokenizer):
+    """The Rust tokenizer's own `decode` when the tokenizer's `decode` is exactly it (a fast tokenizer that neither
+    overrides decoding nor cleans up spaces), else None. Streaming decodes twice per token: the Python layers around
+    the Rust call (input conversion, options) cost several times the decode of a short window."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:   # another transformers layout: its decode, as it is
+        return None
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or kind.decode is not PreTrainedTokenizerBase.decode or \
+            kind._decode is not TokenizersBackend._decode or tokenizer.clean_up_tokenization_spaces:
+        return None
+    return tokenizer._tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Decodes a growing list of token ids; `push` returns only newly completed text.
 
@@ -31,12 +47,14 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.decoder = plain_decoder(tokenizer)
         self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        decode = self.decoder or self.tokenizer.decode
+        return decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
