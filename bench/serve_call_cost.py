@@ -5,7 +5,7 @@ caller's loop; a unary Serve call; a plain Ray actor call; and one Serve call ca
     python -m bench.serve_call_cost          # CPU, ~2 min; prints the per-call CPU-ms of each kind (3 rounds)
 
 The caller's CPU (getrusage of this process: its loop, Serve's router thread and Ray's core worker threads), not
-wall time. Numbers of a run: bench/results/ingress_cpu_cpu.md.
+wall time. Numbers of a run: docs/ingress-cpu.md.
 """
 import asyncio
 import resource
