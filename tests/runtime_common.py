@@ -53,6 +53,19 @@ def manager_imports(llm, names=NOT_IN_THE_MANAGER) -> list[str]:
     return ray.get(llm.manager.__ray_call__.remote(loaded))
 
 
+def worker_collectors(llm) -> dict:
+    """Each worker actor's garbage collector: (on, objects frozen). Its start pauses the collector for its imports
+    and freezes what it built (runtime/actors.py); the collector must run again after."""
+    def state(self):
+        def collector(_):
+            import gc
+            return gc.isenabled(), gc.get_freeze_count() > 0
+        return {name: ray.get(actor.__ray_call__.remote(collector))
+                for name, actor in (("verifier", self.manager.verifier), ("drafter", self.manager.drafter))
+                if actor is not None}
+    return ray.get(llm.manager.__ray_call__.remote(state))
+
+
 def links_in_flight(llm) -> dict:
     """The collective channel: messages each end of the link sent (or drains it posted) not yet taken."""
     def count(self):
