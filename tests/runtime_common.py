@@ -40,12 +40,30 @@ def settled(llm, timeout_s=10.0) -> dict:
     return info
 
 
-def manager_imported_torch(llm) -> bool:
-    """Whether the manager actor's process has imported torch (it must not: tests/test_layering.py)."""
+# what the manager actor's process must not import: torch and transformers (tests/test_layering.py), and Ray Serve
+# (FastAPI, uvicorn), which only a Serve replica, whose process has Serve loaded anyway, asks for its replica id
+NOT_IN_THE_MANAGER = ("torch", "transformers", "ray.serve")
+
+
+def manager_imports(llm, names=NOT_IN_THE_MANAGER) -> list[str]:
+    """Which of `names` the manager actor's process has imported."""
     def loaded(_):   # run in the manager's process (a local function travels by value)
         import sys
-        return "torch" in sys.modules
+        return [name for name in names if name in sys.modules]
     return ray.get(llm.manager.__ray_call__.remote(loaded))
+
+
+def worker_collectors(llm) -> dict:
+    """Each worker actor's garbage collector: (on, objects frozen). Its start pauses the collector for its imports
+    and freezes what it built (runtime/actors.py); the collector must run again after."""
+    def state(self):
+        def collector(_):
+            import gc
+            return gc.isenabled(), gc.get_freeze_count() > 0
+        return {name: ray.get(actor.__ray_call__.remote(collector))
+                for name, actor in (("verifier", self.manager.verifier), ("drafter", self.manager.drafter))
+                if actor is not None}
+    return ray.get(llm.manager.__ray_call__.remote(state))
 
 
 def links_in_flight(llm) -> dict:

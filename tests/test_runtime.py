@@ -12,8 +12,8 @@ from minedraft_ray.engine.engine import Engine
 from minedraft_ray.runtime import LLM, make_bundles
 from engines import TINY_PSD, TINY_SD
 from runtime_common import (LENGTHS, PROMPTS, check_balance, check_seeded_sampling_equals_ar, greedy,
-                            links_in_flight, links_listening_everywhere, manager_imported_torch, reconfigure_when_idle,
-                            settled, whole_tables)
+                            links_in_flight, links_listening_everywhere, manager_imports, reconfigure_when_idle,
+                            settled, whole_tables, worker_collectors)
 
 
 def test_make_bundles():
@@ -105,7 +105,8 @@ def test_greedy_modes_equal_ar(shared_engines, tiny_llama, tiny_llama_draft, ref
         else:
             assert info["drafts_ahead_used"] == 0
         assert settled(llm)["slots_in_use"] == 0
-        assert not manager_imported_torch(llm)   # it keeps books; the workers own the tensors
+        assert manager_imports(llm) == []   # it keeps books; the workers own the tensors
+        assert set(worker_collectors(llm).values()) == {(True, True)}
         if transport in ("collective", "ray_collective"):   # every message was taken (rounds nobody named, drained)
             deadline = time.time() + 5
             while (in_flight := links_in_flight(llm)) != {"verifier": 0, "drafter": 0} and time.time() < deadline:
@@ -176,6 +177,28 @@ def test_verifier_overlap_defaults_to_the_verifiers_device(tiny_llama):
     assert resolved(device="cpu") is False and resolved(device="cuda") is True
     assert resolved(device="cpu", verifier_overlap=True) is True
     assert resolved(device="cuda", verifier_overlap=False) is False
+
+
+def test_collector_paused_gives_the_collector_back_as_it_was():
+    """A worker actor imports its module with the collector paused (runtime/actors.py): on again after it, also when
+    the import fails, and left off where it was off."""
+    import gc
+
+    from minedraft_ray.runtime.actors import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(ImportError):
+        with collector_paused():
+            assert not gc.isenabled()
+            raise ImportError("a worker module that does not import")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_launch_order_runs_turns_in_sequence_whatever_the_arrival():

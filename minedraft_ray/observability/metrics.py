@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -98,11 +99,14 @@ SERIES = {
 
 def replica_name() -> str:
     """The Serve replica id inside a replica, else the Ray actor id, else host-pid."""
-    try:
-        from ray import serve
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:   # not inside a Serve replica
-        pass
+    # a replica's process runs Serve's code, so Serve is imported there; importing it anywhere else (the LLM's
+    # manager actor) would load FastAPI, uvicorn and gRPC's asyncio API for nothing, most of that actor's start
+    serve = sys.modules.get("ray.serve")
+    if serve is not None:
+        try:
+            return serve.get_replica_context().replica_id.unique_id
+        except Exception:   # not inside a Serve replica
+            pass
     try:
         import ray
         actor_id = ray.get_runtime_context().get_actor_id()

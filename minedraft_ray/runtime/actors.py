@@ -9,6 +9,8 @@ makes, each handed to a worker (workers.py) that the actor's own process builds 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import importlib
 import logging
 from dataclasses import dataclass, field
@@ -53,6 +55,18 @@ def check_class_path(path: str) -> None:
         raise ValueError(f"a worker class path is 'minedraft_ray.module:Class', not {path!r}")
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """No automatic garbage collection inside the block (the collector's state is restored after it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def import_class(path: str) -> type:
     check_class_path(path)
     module, _, name = path.partition(":")
@@ -84,7 +98,16 @@ class _WorkerActor:
     arguments; each call of the manager's is handed to it."""
 
     def __init__(self, worker: str, /, *args, **kwargs):
-        self.worker = import_class(worker)(*args, **kwargs)
+        # the worker's module brings torch and the engine: objects that live as long as the process, which the
+        # collector would scan over and over while they are created (full collections included) and free little of.
+        # One collection after the import frees its garbage, and freezing the rest (as `ready` freezes what the
+        # build adds) keeps it out of the collections the build and the steps trigger. Both before the collector
+        # resumes: its first passes would otherwise scan every object the import made as young
+        with collector_paused():
+            cls = import_class(worker)
+            gc.collect()
+            gc.freeze()
+        self.worker = cls(*args, **kwargs)
 
     def ready(self) -> dict:
         return self.worker.ready()
