@@ -186,6 +186,33 @@ def test_hub_resolution_offline(hf_home, tiny_llama, tmp_path, monkeypatch):
         resolve_model("tiny-org/not-cached")
 
 
+def test_the_llm_api_loads_the_revision_it_is_given(ray_cluster, tiny_llama, tiny_llama_draft, tmp_path,
+                                                    monkeypatch):
+    """LLM(revision=, download_dir=): the driver's tokenizer, the manager and the worker actors all resolve the Hub
+    id at that revision in that cache (with the driver's HF_HUB_OFFLINE), not main in the default one: the output
+    is the pinned commit's model's, not main's."""
+    from minedraft_ray import LLM, SamplingParams
+    from minedraft_ray.engine.engine import Engine
+
+    cache = tmp_path / "dl"
+    pinned = "e" * 40
+    hub_snapshot(cache, TARGET_ID, Path(tiny_llama_draft), commit=pinned)   # other weights at another commit
+    hub_snapshot(cache, TARGET_ID, Path(tiny_llama))                        # main (written last: refs/main)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompt, params = [5, 9, 13, 17], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = {}
+    for name, folder in (("pinned", tiny_llama_draft), ("main", tiny_llama)):
+        expected[name] = Engine(str(folder), mode="ar", max_batch=1, device="cpu").generate([prompt], [params])[0]
+    assert expected["pinned"].token_ids != expected["main"].token_ids   # the two commits tell apart
+    llm = LLM(TARGET_ID, mode="ar", revision=pinned, download_dir=str(cache / "hub"), max_batch=2, torch_threads=1,
+              device="cpu")
+    try:
+        out = llm.generate([prompt], params)[0]
+    finally:
+        llm.shutdown()
+    assert out.token_ids == expected["pinned"].token_ids
+
+
 # ---------------------------------------------------------------- lenient requests
 
 VLLM_NO_OPS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0, "skip_special_tokens": True,

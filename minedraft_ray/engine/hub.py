@@ -87,13 +87,28 @@ def resolve_hub_model(spec: str | os.PathLike | None, revision: str | None = Non
     return download_model(str(spec), revision, download_dir) if is_hub_id(spec) else str(spec)
 
 
-def with_local_models(config: EngineConfig) -> EngineConfig:
-    """`config` with its target and draft resolved to local folders (Hub ids downloaded or found in the cache,
-    random:<preset> materialised), served under the same model id as before. Runs on each node that loads the
-    models: a folder of one node's cache is not a path on another."""
+def model_dirs(config: EngineConfig) -> tuple[str, str | None]:
+    """The local folders of `config`'s target and draft on this node: Hub ids at their revisions, downloaded to
+    (or found in) its download_dir, random:<preset> materialised, paths as they are."""
     from .presets import resolve_model
 
-    return config.model_copy(update={
-        "target": resolve_model(config.target, config.revision, config.download_dir),
-        "draft": resolve_model(config.draft, config.draft_revision, config.download_dir),
-        "model_name": config.served_model_name})
+    return (resolve_model(config.target, config.revision, config.download_dir),
+            resolve_model(config.draft, config.draft_revision, config.download_dir))
+
+
+def with_local_models(config: EngineConfig) -> EngineConfig:
+    """`config` with its target and draft resolved to local folders (model_dirs), served under the same model id
+    as before. Runs on each node that loads the models: a folder of one node's cache is not a path on another."""
+    target, draft = model_dirs(config)
+    return config.model_copy(update={"target": target, "draft": draft, "model_name": config.served_model_name})
+
+
+HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
+
+
+def hub_env_vars() -> dict:
+    """The Hugging Face settings of the process that starts an engine, as Ray actor options for the processes
+    that resolve its Hub ids: they run in Ray workers, whose environment is the cluster's. Tokens are not
+    forwarded (the cluster's own apply)."""
+    env = {name: os.environ[name] for name in HUB_ENV if name in os.environ}
+    return {"runtime_env": {"env_vars": env}} if env else {}

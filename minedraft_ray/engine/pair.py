@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from .hf_config import ModelSpec
-from .presets import resolve_model
+from .hub import model_dirs
 from .tokenizer import load_tokenizer
 
 
@@ -89,5 +89,4 @@ def shared_vocab(config: EngineConfig) -> int | None:
     import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart)."""
     if not config.uses_drafter:
         return None
-    return check_pair(resolve_model(config.target, config.revision, config.download_dir),
-                      resolve_model(config.draft, config.draft_revision, config.download_dir)).shared_vocab
+    return check_pair(*model_dirs(config)).shared_vocab

@@ -126,15 +126,17 @@ class LLM:
             config = EngineConfig(**fields)
         self.config = config
         # the driver's side only (transformers): the manager's actor imports this module too
+        from ..engine.hub import hub_env_vars, model_dirs
         from ..engine.pair import shared_vocab
-        from ..engine.presets import resolve_model
         from ..engine.tokenizer import load_tokenizer
-        self.tokenizer = load_tokenizer(resolve_model(config.target))
+        self.tokenizer = load_tokenizer(model_dirs(config)[0])
         vocab_limit = shared_vocab(config)   # the pair checked here, beside the tokenizer, before anything starts
         init_local_ray()
         self.pg = create_placement_group(config.mode, tp=config.tp)
+        # the manager and the workers it starts (they inherit its runtime env) resolve Hub ids with the
+        # driver's Hugging Face settings, as a Serve app's replicas do
         self.manager = ManagerActor.options(
-            num_cpus=self.pg.bundle_specs[0].get("CPU", 0),
+            num_cpus=self.pg.bundle_specs[0].get("CPU", 0), **hub_env_vars(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0,
                                                                  placement_group_capture_child_tasks=True),
         ).remote(config.model_dump(), vocab_limit, _workers)

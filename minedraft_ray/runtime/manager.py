@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..engine.devices import cuda_available
 from ..engine.hf_config import ModelSpec
 from ..engine.kv_blocks import CacheSizeError
-from ..engine.presets import resolve_model
+from ..engine.hub import model_dirs
 from ..engine.request import Request, commit_tokens
 from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
@@ -120,7 +120,7 @@ class BatchManager:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup | None = None,
                  workers: WorkerSet | None = None, *, vocab_limit: int | None):
         """vocab_limit: the pair's shared_vocab (engine/pair.py), checked by whoever starts the engine."""
-        target_dir = resolve_model(config.target)
+        target_dir, _ = model_dirs(config)
         model_cfg = ModelSpec.from_pretrained(target_dir)
         self.eos_token_ids = tuple(model_cfg.eos_token_ids)
         self.max_len_given = config.max_len is not None

@@ -24,7 +24,7 @@ from ..engine.kv_blocks import HEADROOM, CacheSizeError
 from ..engine.loader import load_model
 from ..engine.model import ModelConfig
 from ..engine.parallel import ShardedRunner, TensorParallel
-from ..engine.presets import resolve_model
+from ..engine.hub import model_dirs
 from ..engine.rejection import draft_probs_width
 from ..engine.runner import PREFILL_TOKEN_BUDGET, ModelRunner, to_device, to_host_async
 from ..engine.sampling import SamplingBatch, SamplingParams
@@ -128,7 +128,7 @@ class _Worker:
         self.device = pick_device(self.config)
         self.dtype = pick_dtype(self.config, self.device)
         self.num_slots = num_slots
-        self.target_dir, self.draft_dir = resolve_model(self.config.target), resolve_model(self.config.draft)
+        self.target_dir, self.draft_dir = model_dirs(self.config)
         if self.config.max_len is None:   # as the manager resolves it (a worker built on its own, in tests)
             context = ModelConfig.from_pretrained(self.target_dir).max_position_embeddings
             self.config = self.config.model_copy(update={"max_len": context})

@@ -54,9 +54,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import EngineConfig
 from ..engine.hf_config import eos_token_ids, read_hf_config
-from ..engine.hub import with_local_models
+from ..engine.hub import hub_env_vars, model_dirs, with_local_models
 from ..engine.pair import shared_vocab
-from ..engine.presets import resolve_model
 from ..engine.sampling_params import SamplingParams
 from ..engine.tokenizer import load_chat_template, load_tokenizer, tokenizer_class_path
 from ..observability.heap import CollectorWatch
@@ -848,16 +847,6 @@ def ingress_options(config: EngineConfig) -> dict:
                                    "target_ongoing_requests": INGRESS_TARGET_STREAMS}}
 
 
-HUB_ENV = ("HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT")
-
-
-def hub_env_vars() -> dict:
-    """The Hugging Face settings of the process that builds the app, for the replicas that resolve Hub ids: they
-    run in Ray workers, whose environment is the cluster's. Tokens are not forwarded (the cluster's own apply)."""
-    env = {name: os.environ[name] for name in HUB_ENV if name in os.environ}
-    return {"runtime_env": {"env_vars": env}} if env else {}
-
-
 def build_app(args: dict | None = None):
     """Serve application builder (`import_path: minedraft_ray.serve.app:build_app`).
 
@@ -873,8 +862,7 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     config = load_config(args)
     check_ingress_http(config.ingress_http)
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
-    target = resolve_model(config.target, config.revision, config.download_dir)
-    resolve_model(config.draft, config.draft_revision, config.download_dir)
+    target, _ = model_dirs(config)
     vocab_limit = shared_vocab(config)   # an incompatible draft fails here, not in every engine replica
     tokenizer_class = tokenizer_class_path(load_tokenizer(target))   # AutoTokenizer's choice, found once here
     if config.chat_template:   # the text travels, not a path that may exist only here
