@@ -12,7 +12,7 @@ a process Ray started earlier (an idle pooled worker that had imported Ray), so 
 process's start (`*_total`); what the window adds is `*_window`. Bytecode is cached, as under `make test` (a first,
 unrecorded run writes it).
 
-Prints a JSON row per run and the medians per mode (`--out`: the same into a file). bench/results/engine_start_cpu.md
+Prints a JSON row per run and the medians per mode (`--out`: the same into a file). docs/engine-start.md
 holds a before/after comparison made by alternating `--one` runs of two trees.
 """
 from __future__ import annotations
