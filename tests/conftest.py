@@ -15,12 +15,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 # instead of one running a long file alone at the end. The other files (a few seconds each) follow in their usual
 # order.
 SLOWEST_FIRST = ("test_runtime.py", "test_runtime_regimes.py", "test_chunked_prefill.py", "test_cli.py",
-                 "test_runtime_faults.py", "test_cluster.py", "test_security.py", "test_bench_scripts.py",
-                 "test_tensor_parallel.py", "test_attention_triton.py", "test_serve.py", "test_runtime_paging.py",
-                 "test_openai_compat.py", "test_runtime_sampling.py", "test_real_traffic_bench.py",
-                 "test_bench_smoke.py", "test_serve_bench.py", "test_draft_identity.py", "test_metrics.py",
-                 "test_ray_collective.py", "test_tp_serve.py", "test_training.py", "test_scheduler.py",
-                 "test_engine.py", "test_link.py", "test_serve_streams.py")
+                 "test_cluster.py", "test_runtime_faults.py", "test_security.py", "test_openai_compat.py",
+                 "test_bench_scripts.py", "test_serve.py", "test_runtime_sampling.py", "test_tensor_parallel.py",
+                 "test_runtime_paging.py", "test_attention_triton.py", "test_serve_bench.py", "test_bench_smoke.py",
+                 "test_draft_identity.py", "test_metrics.py", "test_real_traffic_bench.py", "test_training.py",
+                 "test_serve_streams.py", "test_layering.py", "test_ray_collective.py", "test_engine.py",
+                 "test_scheduler.py", "test_tp_serve.py", "test_link.py")
 
 
 def pytest_collection_modifyitems(items):
