@@ -204,7 +204,8 @@ def main():
              "load_before: the 1-minute load average before the run (other sessions share the cores)",
              "pinned: the manager's threads alone on the last core and every other process of the run (driver, "
              "Ray's, the workers) on the others, so host_ms is the manager's own time, not its waits for a core "
-             "the verifier or drafter holds (unpinned, one tree's runs spread over +-20 %)"]
+             "the verifier or drafter holds; pinned or not, one tree's runs spread by +-15 % on a 2-core machine, so "
+             "only the medians of several alternating runs compare"]
     if args.note:
         notes.append(args.note)
     write_results(rows, args.out, NAME, COLUMNS, "psd's per-step host overhead on a CPU, change against parent",
