@@ -354,16 +354,17 @@ def test_a_burst_of_admissions_leaves_the_ingress_loop_to_running_streams(server
     stays responsive: its lag probe (serve/loop_lag.py) is read from /metrics before and after the burst. A loop
     held through the burst (e.g. a blocking call in each admission, the collector walking the frozen heap) breaks
     the lag bound in every try; a 2-core machine that another test run loads stretches the loop's every callback,
-    and so its mean lag, past it in some tries (docs/ingress-burst.md has such runs): best of three."""
+    and so its mean lag, towards it in some tries (41-52 ms in docs/ingress-burst.md's loaded runs): 100 ms, best
+    of three (a 60 ms hold planted in each admission measured 123-163 ms in every try)."""
     lags = []
     for _ in range(3):
         codes, waits, lag, took = _burst_beside_running_streams(server)
         assert set(codes) <= {200, 429} and codes.count(200) >= 2 * MAX_BATCH, codes
         assert waits > 0   # admitted in slices: some of the burst waited for a slot
         lags.append(f"{lag * 1e3:.1f} ms over {took:.1f} s")
-        if lag < 0.05:
+        if lag < 0.1:
             return
-    pytest.fail(f"the ingress loop's mean lag passed 50 ms in every burst: {lags}")
+    pytest.fail(f"the ingress loop's mean lag passed 100 ms in every burst: {lags}")
 
 
 # ---------------------------------------------------------------- errors
