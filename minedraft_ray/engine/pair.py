@@ -54,11 +54,13 @@ def _describe_dict_diff(name: str, a: dict, b: dict) -> str:
     return f"{name} differ: " + "; ".join(parts)
 
 
-def check_pair(target_path, draft_path) -> PairInfo:
-    """Raise IncompatiblePairError unless the draft's token ids mean the same text as the target's."""
+def check_pair(target_path, draft_path, target_tok=None) -> PairInfo:
+    """Raise IncompatiblePairError unless the draft's token ids mean the same text as the target's. target_tok:
+    the target's tokenizer where the caller has loaded it already (a large vocabulary takes a while to load)."""
     target_path, draft_path = Path(target_path), Path(draft_path)
     target_cfg, draft_cfg = ModelSpec.from_pretrained(target_path), ModelSpec.from_pretrained(draft_path)
-    target_tok, draft_tok = load_tokenizer(target_path), load_tokenizer(draft_path)
+    target_tok = load_tokenizer(target_path) if target_tok is None else target_tok
+    draft_tok = load_tokenizer(draft_path)
     problems = []
     target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     if target_vocab != draft_vocab:
@@ -82,11 +84,12 @@ def check_pair(target_path, draft_path) -> PairInfo:
     return PairInfo(shared_vocab=min(len(target_tok), target_cfg.vocab_size, draft_cfg.vocab_size))
 
 
-def shared_vocab(config: EngineConfig) -> int | None:
+def shared_vocab(config: EngineConfig, target_tok=None) -> int | None:
     """The ids both the target and the draft may emit (None without a drafter); IncompatiblePairError unless the
     draft's ids mean the target's text. Checked once, by whoever starts the engine (LLM, the Serve app builder),
     where the tokenizer is loaded anyway: the manager and the worker actors start without transformers, whose
-    import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart)."""
+    import and tokenizer loads took a few CPU-s in each of them (and again at every drafter restart). target_tok:
+    the target's tokenizer, which the caller has loaded anyway."""
     if not config.uses_drafter:
         return None
-    return check_pair(*model_dirs(config)).shared_vocab
+    return check_pair(*model_dirs(config), target_tok=target_tok).shared_vocab

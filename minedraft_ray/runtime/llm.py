@@ -130,7 +130,7 @@ class LLM:
         from ..engine.pair import shared_vocab
         from ..engine.tokenizer import load_tokenizer
         self.tokenizer = load_tokenizer(model_dirs(config)[0])
-        vocab_limit = shared_vocab(config)   # the pair checked here, beside the tokenizer, before anything starts
+        vocab_limit = shared_vocab(config, self.tokenizer)   # the pair checked here, beside the tokenizer, before anything starts
         init_local_ray()
         self.pg = create_placement_group(config.mode, tp=config.tp)
         # the manager and the workers it starts (they inherit its runtime env) resolve Hub ids with the

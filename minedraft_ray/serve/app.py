@@ -863,8 +863,9 @@ def build_app_with_key(args: dict | None, api_key: str | None):
     check_ingress_http(config.ingress_http)
     # materialise random:<preset> folders and fetch Hub ids before the replicas race (and fail here, clearly)
     target, _ = model_dirs(config)
-    vocab_limit = shared_vocab(config)   # an incompatible draft fails here, not in every engine replica
-    tokenizer_class = tokenizer_class_path(load_tokenizer(target))   # AutoTokenizer's choice, found once here
+    tokenizer = load_tokenizer(target)
+    tokenizer_class = tokenizer_class_path(tokenizer)   # AutoTokenizer's choice, found once here
+    vocab_limit = shared_vocab(config, tokenizer)   # an incompatible draft fails here, not in every engine replica
     if config.chat_template:   # the text travels, not a path that may exist only here
         config = config.model_copy(update={"chat_template": load_chat_template(config.chat_template)})
     hub_env = hub_env_vars()
