@@ -51,9 +51,9 @@ PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
 # Graphed packed launches: token counts, a launch padded up to the next one. Up to 256 tokens an 8B launch's time
 # hardly grows with its tokens (weight reads and fixed costs), so doubling steps cost little; above, it grows about
-# linearly with them, so the steps are 64 tokens up to 512 (the GPU's default budget: a fused launch or a chunk of
-# any size up to it pads by < 64 tokens) and 128 beyond (docs/design.md)
-PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# linearly with them, so the steps are 64 tokens up to 384 and 128 beyond. No 448: an H200 ran a 448-token launch
+# slower than a 512-token one (its GEMMs' kernel choice), so one pads to 512 instead (docs/design.md)
+PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 512, 640, 768, 896, 1024)
 # a fused launch's static count of row tokens (their attention takes a program per row up to it): doubling steps,
 # a few per token bucket, as the rows' count only picks the attention's layout
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
