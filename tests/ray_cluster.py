@@ -46,4 +46,5 @@ def ray_cluster():
             serve.shutdown()
         finally:
             ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            if not os.environ.get("MINEDRAFT_KEEP_RAY_LOGS"):   # set: the session's logs stay, for a post-mortem
+                shutil.rmtree(temp_dir, ignore_errors=True)

@@ -401,3 +401,94 @@ def test_a_stopping_replica_hands_out_its_outputs_first(ray_cluster):
         t1 = time.monotonic()
         assert not await batcher.drain(60.0) and time.monotonic() - t1 < 30   # a dead mailbox: at once
     asyncio.run(scenario())
+
+
+def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellation(ray_cluster):
+    """Ray cancels the calls a cancelled task made in its context with it, and a client that leaves cancels its
+    request's task while that task still runs (Serve's request task outlives the handler, and may be cancelled again).
+    Engine side: the request's last output (the abort) is flushed from its own task, through a mailbox that has
+    not run the put yet when the second cancel comes: the put must not go with it, or that batch and every later one
+    of the replica (applied in order) never reach the ingress. Ingress side: the mailbox's poller, started by the
+    first request that watched it, must not go with that request: its in-flight take cancelled would fail every
+    other request on that mailbox as if the engine had died."""
+    import ray
+
+    from minedraft_ray.serve.streams import Mailbox, RequestSink
+
+    @ray.remote(num_cpus=0)
+    class SlowMailbox(Mailbox.__ray_actor_class__):
+        async def put(self, seq, batch, release_at=0.0):
+            await asyncio.sleep(1.0)   # still to run when the request's task is cancelled the second time
+            await super().put(seq, batch, release_at)
+
+    @ray.remote(num_cpus=0)
+    class EngineSide:   # EngineServer.generate's part: a cancelled request ends with its abort output
+        def __init__(self, mailbox):
+            self.batcher = OutputBatcher(mailbox, interval_s=60.0)
+
+        async def generate(self, request_id: str):
+            sink = RequestSink(self.batcher, "ingress")
+            sink.put_nowait(StepOutput(request_id, [1]))
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                sink.put_nowait(StepOutput(request_id, [], finished=True, finish_reason="abort"))
+                await asyncio.sleep(30)   # the task still runs, as Serve's does after the handler returns
+                raise
+
+    class Inbox:   # Outputs' part that runs in an actor (a class of this function travels by value)
+        def __init__(self):
+            self.queue: asyncio.Queue = asyncio.Queue()
+            self.applied: list[StepOutput] = []
+
+        def apply(self, outs: list[StepOutput]) -> None:
+            self.applied += outs
+
+        def wake(self) -> None:
+            while self.applied:
+                self.queue.put_nowait(self.applied.pop(0))
+
+        async def get(self) -> StepOutput:
+            return await self.queue.get()
+
+    @ray.remote(num_cpus=0)
+    class IngressSide:   # the ingress replica: requests share the router, whose poller the first one started
+        def __init__(self):
+            self.router = StreamRouter("ingress", concurrent.futures.ThreadPoolExecutor(1))
+            self.outputs: dict[str, Inbox] = {}
+
+        async def request(self, request_id: str, mailbox, hold: bool):
+            self.outputs[request_id] = Inbox()
+            self.router.open(request_id, self.outputs[request_id])
+            self.router.watch(request_id, Accepted(mailbox, "engine-1"))
+            if hold:
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    await asyncio.sleep(30)   # the task still runs, as Serve's does after the handler returns
+                    raise
+
+        async def next_output(self, request_id: str) -> StepOutput:
+            return await asyncio.wait_for(self.outputs[request_id].get(), 20)
+
+    async def scenario():
+        mailbox = SlowMailbox.remote()
+        engine, ingress = EngineSide.remote(mailbox), IngressSide.remote()
+        first = ingress.request.remote("a", mailbox, hold=True)      # its task starts the poller
+        await ingress.request.remote("b", mailbox, hold=False)
+        requests = {rid: engine.generate.remote(rid) for rid in ("a", "b")}
+        for rid in requests:
+            assert (await ingress.next_output.remote(rid)).new_token_ids == [1]
+        # "a"'s client left (its ingress task and both engine tasks cancelled), and each task is cancelled
+        # again while it still runs: the poller's take is then in flight, the engine's abort puts not yet run
+        for _ in range(2):
+            for ref in (first, *requests.values()):
+                ray.cancel(ref)
+            await asyncio.sleep(0.3)
+        for rid in requests:                 # every last output arrives, none as a dead engine's error
+            last = await ingress.next_output.remote(rid)
+            assert last.finished and last.finish_reason == "abort" and last.error is None, (rid, last)
+        for actor in (engine, ingress, mailbox):
+            ray.kill(actor)
+
+    asyncio.run(scenario())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import logging
 import pickle
 import time
@@ -113,6 +114,15 @@ class FlushGrid:
         if t >= due:
             self.next_due = t if self.interval_s <= 0 else \
                 due + (int((t - due) / self.interval_s) + 1) * self.interval_s
+
+
+def outside_request(fn, *args):
+    """fn(*args) in an empty context. Ray files an actor call as a child of the task whose context it is made in
+    (a Serve request's, when its handler, or a callback it scheduled, makes it) and cancels a task's children with
+    it: a client that leaves cancels its request's task, and a mailbox put or take made there would go too (a lost
+    put holds every later batch of the replica, which the mailbox applies in order). Ray Serve's long-poll client
+    starts its calls the same way (ray-project/ray#52476)."""
+    return contextvars.Context().run(fn, *args)
 
 
 def merge_outputs(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -254,9 +264,10 @@ class OutputBatcher:
         return any(self.pending.values())
 
     def _send(self, batch: dict[str, list[StepOutput]], release_at: float) -> None:
-        if batch:
-            self.mailbox.put.remote(self.seq, {subscriber: pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL)
-                                               for subscriber, outs in batch.items()}, release_at)
+        if batch:   # a request's last output is sent from its own task when that is cancelled (an abort)
+            outside_request(self.mailbox.put.remote, self.seq, {
+                subscriber: pickle.dumps(outs, protocol=pickle.HIGHEST_PROTOCOL) for subscriber, outs in batch.items()},
+                release_at)
             self.seq += 1
             for outs in batch.values():
                 for out in outs:
@@ -385,8 +396,9 @@ class StreamRouter:
         if request_id not in self.receivers:
             return
         self.mailbox_of[request_id] = accepted.key
-        if accepted.key not in self.pollers:
-            self.pollers[accepted.key] = asyncio.get_running_loop().create_task(self._poll(accepted))
+        if accepted.key not in self.pollers:   # not the watching request's child: it outlives that request
+            self.pollers[accepted.key] = asyncio.get_running_loop().create_task(self._poll(accepted),
+                                                                                context=contextvars.Context())
 
     def _deliver(self, batches: list[bytes]) -> list[OutputReceiver]:
         """Unpickle a delivery and apply each request's outputs (on the pool) -> the receivers to wake."""
@@ -406,7 +418,10 @@ class StreamRouter:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                batches = await accepted.mailbox.take.remote(self.subscriber)
+                try:
+                    batches = await accepted.mailbox.take.remote(self.subscriber)
+                except ray.exceptions.TaskCancelledError:   # a take cancelled is no dead engine: poll again
+                    continue
                 if not batches:
                     continue
                 applied = self._deliver(batches) if self.pool is None else \
