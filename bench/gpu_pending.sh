@@ -16,6 +16,10 @@
 # logits); fused steps whose launches fall between the old doubling buckets, timed under the fine buckets and the
 # old ones in one call (buckets column); real traffic ar at the GPU's default budget (fused:512) vs padded.
 # PART 7 (#24): real traffic sd at the default budget (fused:512) and at 384, each beside padded.
+# PART 9: PART 2's sd m=64 pair, the change first (a fresh machine's first run compiles), and PART 8's first step.
+# PART 10: PART 8's second step (sd max_batch 256 direct) and PART 6's first (the CUDA graph tests).
+# PART 11: PART 6 after its first step.
+# PART 12: PART 7's first step.
 # PART 8: serve vs offline at max_batch 256 (1,024 requests): ar with two direct ingress replicas (clients spread
 # over both URLs), sd k=2 direct with one (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
@@ -95,7 +99,28 @@ case "${1:?PART}" in
   step serve_sd256_direct 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 256 --n-requests 1024 \
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd256_direct"
   ;;
-*) echo "PART is 1-8" >&2; exit 2 ;;
+9)   # a fresh machine's first run pays the kernels' compile: the change runs first, each tree given 170 s
+  step parity_sd64_change 170 python -m bench.psd_vs_sd --mode sd --m 64 --ks 2 --alphas 0.8 --out "$OUT/parity_sd64_change"
+  step parity_sd64_parent 170 "${PARENT[@]}" python -m bench.psd_vs_sd --mode sd --m 64 --ks 2 --alphas 0.8 --out "$OUT/parity_sd64_parent"
+  step serve_ar256_direct2 200 python -m bench.serve_vs_offline --mode ar --max-batch 256 --n-requests 1024 \
+    --loads '' --ingress-cpus 1 --ingress-replicas 2 --ingress-http direct --label direct2 --out "$OUT/serve_ar256_direct2"
+  ;;
+10)  # PART 8's second step and PART 6's first
+  step serve_sd256_direct 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 256 --n-requests 1024 \
+    --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd256_direct"
+  step cuda_graphs_buckets 150 python -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py
+  ;;
+11)  # PART 6 after its first step
+  step fused_buckets 150 python -m bench.fused_step_profile --batches 16,32,64 --chunks 0,128,240,320,400,480 \
+    --chunk-starts 1024 --bucket-sets fine,pow2 --kernel-chunks '' --out "$OUT/fused_buckets"
+  step real_traffic_ar512 260 python -m bench.real_traffic --modes ar --engines padded,fused:512 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_ar512"
+  ;;
+12)  # PART 7's first step
+  step real_traffic_sd512 280 python -m bench.real_traffic --modes sd --engines padded,fused:512 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd512"
+  ;;
+*) echo "PART is 1-12" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
