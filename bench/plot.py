@@ -368,6 +368,7 @@ PLOTS = {
     "ingress_burst": plot_ingress_burst,
     "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
+    "fused_buckets": plot_fused_step_profile,   # fused_step_profile --bucket-sets, kept under its own name
     "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
                                   "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),
     "real_traffic": plot_real_traffic,
