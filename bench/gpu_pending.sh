@@ -20,6 +20,7 @@
 # PART 10: PART 8's second step (sd max_batch 256 direct) and PART 6's first (the CUDA graph tests).
 # PART 11: PART 6 after its first step.
 # PART 12: PART 7's first step.
+# PART 13: serve vs offline's online loads (never run on a GPU: every call so far passed --loads ''), ar and sd.
 # PART 8: serve vs offline at max_batch 256 (1,024 requests): ar with two direct ingress replicas (clients spread
 # over both URLs), sd k=2 direct with one (#22).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
@@ -120,7 +121,13 @@ case "${1:?PART}" in
   step real_traffic_sd512 280 python -m bench.real_traffic --modes sd --engines padded,fused:512 \
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd512"
   ;;
-*) echo "PART is 1-12" >&2; exit 2 ;;
+13)  # #22's online load (30/60/90 % of the HTTP capacity, 20 s of arrivals each), ar and sd at max_batch 64, direct
+  step serve_ar64_online 240 python -m bench.serve_vs_offline --mode ar --max-batch 64 --loads 0.3,0.6,0.9 \
+    --online-s 20 --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_ar64_online"
+  step serve_sd64_online 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 64 --loads 0.3,0.6,0.9 \
+    --online-s 20 --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd64_online"
+  ;;
+*) echo "PART is 1-13" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
