@@ -436,6 +436,9 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
                 await asyncio.sleep(30)   # the task still runs, as Serve's does after the handler returns
                 raise
 
+        async def all_sent(self) -> bool:   # every output handed to the mailbox (its puts may still run)
+            return not self.batcher.pending and not self.batcher.released
+
     class Inbox:   # Outputs' part that runs in an actor (a class of this function travels by value)
         def __init__(self):
             self.queue: asyncio.Queue = asyncio.Queue()
@@ -468,6 +471,9 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
                     await asyncio.sleep(30)   # the task still runs, as Serve's does after the handler returns
                     raise
 
+        async def watching(self) -> list[str]:
+            return list(self.router.mailbox_of)
+
         async def next_output(self, request_id: str) -> StepOutput:
             return await asyncio.wait_for(self.outputs[request_id].get(), 20)
 
@@ -475,16 +481,21 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
         mailbox = SlowMailbox.remote()
         engine, ingress = EngineSide.remote(mailbox), IngressSide.remote()
         first = ingress.request.remote("a", mailbox, hold=True)      # its task starts the poller
+        while "a" not in await ingress.watching.remote():
+            await asyncio.sleep(0.05)
         await ingress.request.remote("b", mailbox, hold=False)
         requests = {rid: engine.generate.remote(rid) for rid in ("a", "b")}
         for rid in requests:
             assert (await ingress.next_output.remote(rid)).new_token_ids == [1]
         # "a"'s client left (its ingress task and both engine tasks cancelled), and each task is cancelled
-        # again while it still runs: the poller's take is then in flight, the engine's abort puts not yet run
-        for _ in range(2):
-            for ref in (first, *requests.values()):
-                ray.cancel(ref)
-            await asyncio.sleep(0.3)
+        # again while it still runs: the poller's take is then in flight, the engine's abort puts sent (each runs
+        # for a second in the slow mailbox)
+        for ref in (first, *requests.values()):
+            ray.cancel(ref)
+        while not await engine.all_sent.remote():
+            await asyncio.sleep(0.02)
+        for ref in (first, *requests.values()):
+            ray.cancel(ref)
         for rid in requests:                 # every last output arrives, none as a dead engine's error
             last = await ingress.next_output.remote(rid)
             assert last.finished and last.finish_reason == "abort" and last.error is None, (rid, last)
