@@ -421,6 +421,7 @@ class StreamRouter:
                 try:
                     batches = await accepted.mailbox.take.remote(self.subscriber)
                 except ray.exceptions.TaskCancelledError:   # a take cancelled is no dead engine: poll again
+                    log.debug("a take from mailbox %s was cancelled; polling again", accepted.key)
                     continue
                 if not batches:
                     continue
