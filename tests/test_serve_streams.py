@@ -5,6 +5,7 @@ loop, and fails the requests of a mailbox that died."""
 import asyncio
 import concurrent.futures
 import pickle
+import sys
 import threading
 import time
 
@@ -439,29 +440,14 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
         async def all_sent(self) -> bool:   # every output handed to the mailbox (its puts may still run)
             return not self.batcher.pending and not self.batcher.released
 
-    class Inbox:   # Outputs' part that runs in an actor (a class of this function travels by value)
-        def __init__(self):
-            self.queue: asyncio.Queue = asyncio.Queue()
-            self.applied: list[StepOutput] = []
-
-        def apply(self, outs: list[StepOutput]) -> None:
-            self.applied += outs
-
-        def wake(self) -> None:
-            while self.applied:
-                self.queue.put_nowait(self.applied.pop(0))
-
-        async def get(self) -> StepOutput:
-            return await self.queue.get()
-
     @ray.remote(num_cpus=0)
     class IngressSide:   # the ingress replica: requests share the router, whose poller the first one started
         def __init__(self):
             self.router = StreamRouter("ingress", concurrent.futures.ThreadPoolExecutor(1))
-            self.outputs: dict[str, Inbox] = {}
+            self.outputs: dict[str, Outputs] = {}
 
         async def request(self, request_id: str, mailbox, hold: bool):
-            self.outputs[request_id] = Inbox()
+            self.outputs[request_id] = Outputs()
             self.router.open(request_id, self.outputs[request_id])
             self.router.watch(request_id, Accepted(mailbox, "engine-1"))
             if hold:
@@ -479,7 +465,7 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
 
     async def scenario():
         mailbox = SlowMailbox.remote()
-        engine, ingress = EngineSide.remote(mailbox), IngressSide.remote()
+        engine, ingress = EngineSide.remote(mailbox), IngressSide.remote()   # Outputs goes along by value
         first = ingress.request.remote("a", mailbox, hold=True)      # its task starts the poller
         while "a" not in await ingress.watching.remote():
             await asyncio.sleep(0.05)
@@ -502,4 +488,9 @@ def test_outputs_sent_and_polled_from_a_cancelled_request_survive_its_cancellati
         for actor in (engine, ingress, mailbox):
             ray.kill(actor)
 
-    asyncio.run(scenario())
+    # the actors use this module's Outputs, which Ray's workers cannot import (tests/ is no package of theirs)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
