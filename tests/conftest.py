@@ -3,7 +3,7 @@ import pytest
 
 
 from minedraft_ray.testing.tiny import make_noised_draft, make_tiny_model
-from ray_cluster import ray_cluster  # noqa: F401  (one Ray cluster per test session)
+from ray_cluster import post_mortem, ray_cluster  # noqa: F401  (one Ray cluster per test session)
 from engines import CACHE as ENGINES, SHARING_FILES
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -41,6 +41,17 @@ def pytest_xdist_make_scheduler(config, log):
             return "shared engines" if scope.rsplit("/", 1)[-1] in SHARING_FILES else scope
 
     return SharedEnginesTogether(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure that names a dead Ray worker process carries what the cluster's logs say of it (post_mortem)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        found = post_mortem(str(report.longrepr))
+        if found:
+            report.sections.append(("Ray post-mortem", found))
 
 
 def pytest_runtest_setup(item):

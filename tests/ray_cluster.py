@@ -10,8 +10,10 @@ groups with GPU bundles schedule on a CPU machine; the actors still run torch on
 `ray stop`: it kills every Ray process on the host.
 """
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,35 @@ TEST_LIMITS = IngressLimits(max_body_bytes=16 * 1024 * 1024, body_timeout_s=5.0,
 
 lock_down()
 
+SESSION_TEMP_DIRS: list[str] = []   # this process's cluster's temp dir, while it runs
+
+
+def post_mortem(failure: str, tail_lines: int = 25) -> str:
+    """What the session's Ray logs and the kernel say of each worker process a failure names as dead: the raylet's
+    lines on that pid, the tails of the worker's own logs (a crash's faulthandler trace goes to its .err), and the
+    kernel's OOM kill count. CI keeps only the test output, and the cluster's logs go with the session."""
+    if "worker process has died" not in failure or not SESSION_TEMP_DIRS:
+        return ""
+    pids = sorted(set(re.findall(r"\bpid[:=] ?(\d+)", failure)))
+    logs = Path(SESSION_TEMP_DIRS[-1], "session_latest", "logs")
+    out = [f"Ray logs in {logs} on pids {', '.join(pids)}"]
+    vmstat = Path("/proc/vmstat")
+    if vmstat.exists():
+        out += [line for line in vmstat.read_text().splitlines() if line.startswith("oom_kill")]
+    for name in ("raylet.out", "gcs_server.out"):
+        path = logs / name
+        if path.exists():
+            hits = [line for line in path.read_text(errors="replace").splitlines()
+                    if any(re.search(rf"\b{pid}\b", line) for pid in pids)]
+            out += [f"--- {name}: lines naming them"] + hits[-tail_lines:]
+    for pid in pids:
+        for path in sorted(p for p in logs.iterdir() if re.search(rf"[-_]{pid}\.(err|out|log)$", p.name)):
+            lines = path.read_text(errors="replace").splitlines()
+            if path.suffix == ".log":   # the core worker's own log: its warnings and errors only
+                lines = [line for line in lines if re.match(r"\[\S+ \S+ [WEF] ", line)]
+            out += [f"--- {path.name} (last {tail_lines} lines)"] + lines[-tail_lines:]
+    return "\n".join(out)
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -31,6 +62,7 @@ def ray_cluster():
     from minedraft_ray.ray_local import start_local_ray
 
     temp_dir = tempfile.mkdtemp(prefix="mdray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    SESSION_TEMP_DIRS.append(temp_dir)
     guard = guard_environ(TEST_LIMITS)
     os.environ.update(guard)    # inherited by Ray's processes (Serve's proxy) only
     try:
@@ -46,5 +78,6 @@ def ray_cluster():
             serve.shutdown()
         finally:
             ray.shutdown()
+            SESSION_TEMP_DIRS.remove(temp_dir)
             if not os.environ.get("MINEDRAFT_KEEP_RAY_LOGS"):   # set: the session's logs stay, for a post-mortem
                 shutil.rmtree(temp_dir, ignore_errors=True)
