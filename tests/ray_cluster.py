@@ -37,9 +37,14 @@ def post_mortem(failure: str, tail_lines: int = 25) -> str:
     pids = sorted(set(re.findall(r"\bpid[:=] ?(\d+)", failure)))
     logs = Path(SESSION_TEMP_DIRS[-1], "session_latest", "logs")
     out = [f"Ray logs in {logs} on pids {', '.join(pids)}"]
-    vmstat = Path("/proc/vmstat")
-    if vmstat.exists():
-        out += [line for line in vmstat.read_text().splitlines() if line.startswith("oom_kill")]
+    # the kernel's OOM kills: the host's, and this container's cgroup's (v2, v1) with its limit and peak
+    for path in ("/proc/vmstat", "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        if Path(path).exists():
+            out += [f"{path}: {line}" for line in Path(path).read_text().splitlines() if line.startswith("oom_kill")]
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.peak", "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                 "/sys/fs/cgroup/memory/memory.max_usage_in_bytes"):
+        if Path(path).exists():
+            out.append(f"{path}: {Path(path).read_text().strip()}")
     for name in ("raylet.out", "gcs_server.out"):
         path = logs / name
         if path.exists():
