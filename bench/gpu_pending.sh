@@ -14,6 +14,8 @@
 # PART 5: serve vs offline sd k=2 max_batch 64 proxy and direct (200 s each: sd's offline run and app start take ~110 s); ar max_batch 256 direct (#22).
 # PART 7 (#24): real traffic sd at a budget of 384 beside padded (512, the default, ran at 237892e).
 # PART 13: serve vs offline's online loads (never run on a GPU: every call so far passed --loads ''), ar and sd.
+# PARTS 14 (ar) and 15 (sd) (#24, first): the adaptive chunk (chunk_gap_ratio 2) beside the fixed 512 budget and
+# padded in one call: does sizing chunks from step times meet the gap ratio, and at what TTFT P99.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
@@ -77,7 +79,15 @@ case "${1:?PART}" in
   step serve_sd64_online 300 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 64 --loads 0.3,0.6,0.9 \
     --online-s 20 --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --label direct --out "$OUT/serve_sd64_online"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7 or 13" >&2; exit 2 ;;
+14)
+  step real_traffic_ar_adaptive 450 python -m bench.real_traffic --modes ar --engines padded,fused:512,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_ar_adaptive"
+  ;;
+15)
+  step real_traffic_sd_adaptive 450 python -m bench.real_traffic --modes sd --engines padded,fused:512,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd_adaptive"
+  ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14 or 15" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

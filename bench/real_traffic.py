@@ -53,8 +53,8 @@ COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "adde
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
            "fused_prefills", "verify_ms_p50", "fused_verify_ms_p50", "fused_tokens_p50", "prefill_chunk_tokens",
-           "packed_prefill", "fused_prefill", "prefill_order", "max_batch", "k", "alpha", "build_s", "git_sha",
-           "command", "device"]
+           "packed_prefill", "fused_prefill", "prefill_order", "chunk_gap_ratio", "max_batch", "k", "alpha", "build_s",
+           "git_sha", "command", "device"]
 TABLE = ["mode", "engine", "workload", "load", "rate_rps", "completed", "prefill_tokens_per_s", "tokens_per_s",
          "ttft_p50_ms", "ttft_p99_ms", "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms",
          "long_over_quiet", "prefill_tasks", "fused_prefills"]
@@ -220,23 +220,35 @@ ENGINES = {"fused": {"packed_prefill": True, "fused_prefill": True},
            "padded": {"packed_prefill": False, "prefill_chunk_tokens": 0, "fused_prefill": False}}
 
 
-def engine_kind(spec: str) -> tuple[str, int | None]:
-    """An --engines entry: `fused`, or `fused:256` (that engine at its own prefill_chunk_tokens)."""
-    kind, _, chunk = spec.partition(":")
-    if kind not in ENGINES or (chunk and kind == "padded"):
-        raise ValueError(f"unknown engine {spec!r}: one of {', '.join(ENGINES)}, chunked/fused optionally :TOKENS")
-    return kind, int(chunk) if chunk else None
+@dataclass(frozen=True)
+class EngineSpec:
+    """An --engines entry: `fused`, `fused:256` (that engine at its own prefill_chunk_tokens) or `fused:512@2`
+    (chunks sized from step times within that budget, chunk_gap_ratio 2)."""
+    kind: str
+    chunk: int | None = None
+    gap_ratio: float | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> EngineSpec:
+        head, _, ratio = spec.partition("@")
+        kind, _, chunk = head.partition(":")
+        if kind not in ENGINES or ((chunk or ratio) and kind == "padded"):
+            raise ValueError(f"unknown engine {spec!r}: one of {', '.join(ENGINES)}, chunked/fused optionally "
+                             f":TOKENS and @GAP_RATIO")
+        return cls(kind, int(chunk) if chunk else None, float(ratio) if ratio else None)
 
 
 def build(mode: str, engine: str, args, target: str, draft: str, work: Workload, extra: dict):
     from minedraft_ray.runtime import LLM
     from minedraft_ray.testing.workers import synthetic_acceptance
 
-    kind, chunk = engine_kind(engine)
-    settings = dict(ENGINES[kind])
-    chunk = chunk if chunk is not None else args.chunk
-    if kind != "padded" and chunk is not None:
+    spec = EngineSpec.parse(engine)
+    settings = dict(ENGINES[spec.kind])
+    chunk = spec.chunk if spec.chunk is not None else args.chunk
+    if spec.kind != "padded" and chunk is not None:
         settings["prefill_chunk_tokens"] = chunk
+    if spec.gap_ratio is not None:
+        settings["chunk_gap_ratio"] = spec.gap_ratio
     hook = {"_workers": synthetic_acceptance(args.alpha)} if mode == "sd" else {}
     return LLM(target, draft if mode == "sd" else None, mode=mode, k=args.k, max_batch=args.max_batch,
                max_len=work.max_len, max_queued=1_000_000, stream_interval_ms=0.0, **settings, **extra, **hook)
@@ -268,7 +280,8 @@ def parse(argv):
     p.add_argument("--modes", default="ar,sd")
     p.add_argument("--engines", default="padded,chunked,fused", help="padded (the unchunked engine) first: its "
                    "closed capacity sets the online rates of all; chunked/fused take :TOKENS for their own budget "
-                   "(e.g. fused:256,fused:512)")
+                   "(e.g. fused:256,fused:512) and @RATIO for chunks sized from step times (chunk_gap_ratio, e.g. "
+                   "fused:512@2)")
     p.add_argument("--target", default="random:llama-8b")
     p.add_argument("--draft", default="random:llama-1b")
     p.add_argument("--max-batch", type=int, default=32)
@@ -327,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                     base = {**context, "mode": mode, "engine": engine, "max_batch": args.max_batch,
                             "k": args.k if mode == "sd" else None, "alpha": args.alpha if mode == "sd" else None,
                             "prefill_chunk_tokens": llm.info()["prefill_chunk_tokens"],
-                            "packed_prefill": ENGINES[engine_kind(engine)[0]]["packed_prefill"],
+                            "packed_prefill": ENGINES[EngineSpec.parse(engine).kind]["packed_prefill"],
+                            "chunk_gap_ratio": llm.info()["chunk_gap_ratio"],
                             "fused_prefill": llm.info()["fused_prefill"],
                             "prefill_order": llm.info()["prefill_order"],
                             "build_s": time.perf_counter() - t0}
@@ -380,6 +394,8 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
              "prefill_tokens_per_s: prompt tokens / prefill device time; gaps: between a request's consecutive "
              "outputs (one per step); gap_long_p99_ms / gap_quiet_p50_ms: gaps overlapping a long prompt's "
              "arrival-to-first-token window, or none; online_pooled: all loads together",
+             "@RATIO (e.g. fused:512@2): chunk_gap_ratio, the chunk sized from the engine's step times so that a "
+             "step with one takes at most RATIO x one without, within the budget",
              "prefill_order: who takes the step's prefill budget first (shortest: the fewest prompt tokens left, a "
              "prompt overtaken by its own length first; arrival: first come, first served)"]
     if args.long_prompts:

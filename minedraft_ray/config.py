@@ -92,6 +92,11 @@ class EngineConfig(BaseModel):
         "shortest", description="who takes the step's prefill budget first among the prompts being prefilled: the "
         "fewest tokens left (shortest; a prompt that later ones have overtaken by its own length goes first, so "
         "none starves) or admission order (arrival)")
+    chunk_gap_ratio: float = Field(
+        0.0, ge=0, description="while requests decode, size each step's prompt chunk from the engine's measured step "
+        "times so that a step with a chunk takes at most this many times one without (2: a running request's time "
+        "between tokens at most doubles while prompts prefill; a long prompt's own first token comes later), "
+        "within prefill_chunk_tokens; 0: the fixed budget (runtime/chunk_budget.py)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")
@@ -167,6 +172,10 @@ class EngineConfig(BaseModel):
                 raise ValueError("min_replicas needs max_replicas (autoscaling)")
         elif (self.min_replicas or 1) > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if 0 < self.chunk_gap_ratio <= 1:
+            raise ValueError(f"chunk_gap_ratio is 0 (a fixed budget) or above 1, not {self.chunk_gap_ratio}")
+        if self.chunk_gap_ratio and self.prefill_chunk_tokens == 0:
+            raise ValueError("chunk_gap_ratio sizes chunks within a budget: prefill_chunk_tokens 0 has none")
         if self.ingress_max_replicas is not None and self.ingress_replicas > self.ingress_max_replicas:
             raise ValueError(f"ingress_replicas ({self.ingress_replicas}) > ingress_max_replicas "
                              f"({self.ingress_max_replicas})")

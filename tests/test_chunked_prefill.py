@@ -1,10 +1,13 @@
 """Chunked prefill through the Ray runtime (real local cluster, tiny models, fp32 CPU): prompts cut into chunks
 under the per-step token budget, riding along with the decode/verify steps (fused into the verify's launch, or
 launches of their own), still give `ar`'s greedy output token for token in every mode, at every chunk size,
-including chunks that end mid-prompt at awkward lengths and budgets smaller than a verify's rows (ar's and
+including chunks that end mid-prompt at awkward lengths, budgets smaller than a verify's rows and chunks sized
+from step times (chunk_gap_ratio, which keeps a decoding request's step within its ratio better than the fixed
+budget on a device whose prompt tokens cost time) (ar's and
 sd_split's fused chunks: test_runtime.py's greedy test, on its engines); and a drafter killed while prompts are
 being prefilled chunk by chunk fails no request."""
 import math
+import statistics
 import time
 
 import pytest
@@ -69,9 +72,15 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(shared_engines, tiny_llam
         # chunks rode verifies where one left room in the budget, and only with fusion on
         assert fused_at[13, True] > 0 and fused_at[fits, True] > 0, fused_at
         assert fused_at[1, True] == fused_at[3, True] == fused_at[7, False] == fused_at[0, False] == 0, fused_at
+        # the adaptive chunk (chunk_gap_ratio): whatever limits the step times give it, the output is ar's
+        for fused in (True, False):
+            reconfigure_when_idle(llm, prefill_chunk_tokens=13, fused_prefill=fused, chunk_gap_ratio=1.5)
+            outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+            assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ("adaptive", fused)
+            assert llm.info()["chunk_limit"] is not None
     finally:
         reconfigure_when_idle(llm, prefill_chunk_tokens=found["prefill_chunk_tokens"],
-                              fused_prefill=found["fused_prefill"])
+                              fused_prefill=found["fused_prefill"], chunk_gap_ratio=found["chunk_gap_ratio"])
 
 
 def test_drafter_killed_mid_chunked_prefill_fails_no_request(ray_cluster, tiny_llama, tiny_llama_draft, reference):
@@ -99,5 +108,41 @@ def test_drafter_killed_mid_chunked_prefill_fails_no_request(ray_cluster, tiny_l
         outs = llm.generate(PROMPTS[:4], [greedy(n) for n in LENGTHS[:4]])   # chunks on the restarted drafter
         assert [o.token_ids for o in outs] == [r.token_ids for r in reference[:4]]
         assert sum(o.stats["accepted"] for o in outs) > 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_adaptive_chunk_keeps_a_decoding_requests_step_within_the_ratio(ray_cluster, tiny_llama, reference):
+    """chunk_gap_ratio on a device whose prompt tokens cost time (a test worker: 0.25 ms each, so the fixed budget's
+    64-token chunk adds 16 ms to a step of a few ms): the engine sizes its chunks from its own step times, below
+    the budget, and the steps that carry one take a smaller multiple of those without than the fixed budget's do;
+    the output stays ar's. The same engine runs both (reconfigure)."""
+    from minedraft_ray.testing.workers import slow_prompts
+
+    llm = LLM(tiny_llama, mode="ar", max_batch=3, torch_threads=1, prefill_chunk_tokens=64,
+              _workers=slow_prompts(0.25))
+
+    def run(ratio: float) -> tuple[float, list]:
+        reconfigure_when_idle(llm, chunk_gap_ratio=ratio)
+        step = llm.info()["steps"]
+        outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ratio
+        # the verify steps of the run while something decoded: with a chunk, and without (their medians)
+        records = [r for r in llm.history() if r.verified][-(llm.info()["steps"] - step):]
+        with_chunk = [r.step_ms for r in records if r.prefill_tokens]
+        without = [r.step_ms for r in records if not r.prefill_tokens]
+        assert len(with_chunk) >= 5 and len(without) >= 5, (len(with_chunk), len(without))
+        return statistics.median(with_chunk) / statistics.median(without), records
+
+    try:
+        fixed, fixed_records = run(0.0)
+        adaptive, records = run(1.5)
+        limits = [r.chunk_limit for r in records]
+        assert all(limit is not None for limit in limits) and all(r.chunk_limit is None for r in fixed_records)
+        settled_limits = limits[len(limits) // 2:]
+        assert max(settled_limits) < 64 and min(settled_limits) >= 2, limits   # below the budget, above its floor
+        assert adaptive < fixed, (adaptive, fixed)
+        print(f"step with a chunk / without: fixed 64 tokens {fixed:.2f}, adaptive (ratio 1.5) {adaptive:.2f}; "
+              f"limits {settled_limits}")
     finally:
         llm.shutdown()

@@ -47,30 +47,32 @@ def test_smoke(ray_cluster, tmp_path):
     # second of arrivals per online run: the load is a share of the padded engine's closed capacity (~150 requests/s
     # on an idle CPU), which the chunked and fused engines fall behind, so every second of it costs seconds of drain
     assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "0.5", "--chunk", "16",
-                 "--long-prompts", "2", "--out", str(tmp_path)]) == 0
+                 "--long-prompts", "2", "--engines", "padded,chunked,fused@1.5", "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
     closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
-    assert set(closed) == {("sd", "padded"), ("sd", "chunked"), ("sd", "fused")}
+    # fused@1.5: fused, its chunks sized from its step times (chunk_gap_ratio) within the 16-token budget
+    assert set(closed) == {("sd", "padded"), ("sd", "chunked"), ("sd", "fused@1.5")}
     for (mode, engine), r in closed.items():
         assert r["completed"] == 6 and r["tokens_per_s"] > 0
         # fused chunks' time is inside their verifies': no prefill rate then
-        assert r["prefill_tokens_per_s"] > 0 if engine != "fused" or not r["fused_prefills"] else \
+        fused = engine == "fused@1.5"
+        assert r["prefill_tokens_per_s"] > 0 if not fused or not r["fused_prefills"] else \
             r["prefill_tokens_per_s"] is None
         assert r["prefill_chunk_tokens"] == (0 if engine == "padded" else 16)
-        assert r["fused_prefill"] == (engine == "fused")
-        assert r["fused_prefills"] == 0 or engine == "fused"
+        assert r["fused_prefill"] == fused and r["chunk_gap_ratio"] == (1.5 if fused else 0.0)
+        assert r["fused_prefills"] == 0 or fused
         assert r["verify_ms_p50"] > 0 and (r["fused_verify_ms_p50"] is None) == (r["fused_prefills"] == 0)
     # more prefill tasks than requests only where prompts are cut
     assert closed[("sd", "chunked")]["prefill_tasks"] > closed[("sd", "padded")]["prefill_tasks"]
     online = [r for r in rows if r["workload"] == "online"]
     assert len({r["rate_rps"] for r in online}) == 1   # the same absolute rate for both engines
     assert all(r["completed"] >= 1 and r["ttft_p50_ms"] > 0 for r in online)
-    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused"}
+    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused@1.5"}
     assert all(r["prefill_order"] == "shortest" for r in rows)
     # online_long: the added long prompts each open a window of the gap ratio
     long = [r for r in rows if r["workload"] == "online_long"]
-    assert {r["engine"] for r in long} == {"padded", "chunked", "fused"}
+    assert {r["engine"] for r in long} == {"padded", "chunked", "fused@1.5"}
     assert all(r["added_long"] == 2 and r["n_long"] >= 2 and r["gap_quiet_p50_ms"] > 0 for r in long)
     md = (tmp_path / "real_traffic.md").read_text()
     assert "`python -m bench.real_traffic --smoke" in md and "lognormal" in md and "seed 0" in md

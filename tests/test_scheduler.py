@@ -10,7 +10,8 @@ engine's own `commit_tokens`) and the invariants are checked after every event:
 - each draft round consistent with its batch: a verify's rows are members of its batch, each drafted rider
   finds itself at its row of the rounds the verify takes, and a round drafted ahead holds members of that
   batch whose tokens all come from the verify it follows;
-- chunked prefill: no prefill task holds more prompt tokens than the per-step budget, a request's chunks
+- chunked prefill: no prefill task holds more prompt tokens than the per-step budget (nor, while anything
+  decodes, than the adaptive chunk limit the manager sets between steps), a request's chunks
   cover its prompt in order without gaps or overlaps, at most one prefill task rides a step while anything
   decodes, and no request is verified (nor drafted) before its whole prompt has been prefilled;
 - fused prefill (a chunk inside a verify's task): the launch's tokens (the verify's k + 1 per row, 1 in ar, and
@@ -341,6 +342,8 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
                 # a request's period spans both batches' verifies: half the budget each (while nothing decodes,
                 # there is no period to bound: the whole budget)
                 assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
+            if decoding and driver.sched.chunk_limit is not None:   # the adaptive chunk, while anything decodes
+                assert prefill.num_tokens <= driver.sched.chunk_limit, (prefill.num_tokens, driver.sched.chunk_limit)
         for c in prefill.chunks:
             assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
                 f"{c.state.id}: chunk gap or overlap"
@@ -477,6 +480,8 @@ EVENTS = st.one_of(
     st.tuples(st.just("drafter_back")),
     st.tuples(st.just("regime"), st.sampled_from(["psd", "seq"]), st.sampled_from(["psd", "seq", "auto"])),
 )
+# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any limit, or none
+WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), st.sampled_from([None, 1, 2, 3, 5])))
 
 
 @functools.cache
@@ -532,6 +537,8 @@ def run_events(mode, max_batch, min_requests, events, emit, budget=None, schedul
             driver.drafter_back()
         elif kind == "regime":
             driver.sched.config.psd_low_load, driver.sched.config.psd_high_load = args
+        elif kind == "chunk_limit":
+            driver.sched.chunk_limit = args[0]
         check_all(driver)
     driver.drafter_back()
     driver.drain(emit)
@@ -551,21 +558,21 @@ def drawn(data):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(max_batch=st.integers(1, 4), min_requests=st.integers(2, 3), budget=BUDGETS, order=ORDERS,
-       events=st.lists(EVENTS, min_size=30, max_size=150), data=st.data())
+       events=st.lists(WITH_CHUNK_LIMITS, min_size=30, max_size=150), data=st.data())
 def test_psd_invariants_hold_through_random_events(max_batch, min_requests, budget, order, events, data):
     run_events("psd", max_batch, min_requests, events, drawn(data), budget, order=order)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=BUDGETS, order=ORDERS,
-       events=st.lists(EVENTS, min_size=10, max_size=80), data=st.data())
+       events=st.lists(WITH_CHUNK_LIMITS, min_size=10, max_size=80), data=st.data())
 def test_single_chain_invariants_hold_through_random_events(mode, max_batch, budget, order, events, data):
     run_events(mode, max_batch, 2, events, drawn(data), budget, order=order)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(["psd", "sd_split", "sd", "ar"]), max_batch=st.integers(1, 4), budget=FUSED_BUDGETS,
-       events=st.lists(EVENTS, min_size=10, max_size=100), data=st.data())
+       events=st.lists(WITH_CHUNK_LIMITS, min_size=10, max_size=100), data=st.data())
 def test_fused_prefill_invariants_hold_through_random_events(mode, max_batch, budget, events, data):
     """Every invariant above with the chunk riding inside the verify's launch, at budgets that fit no verify, a few
     rows, or whole prompts: no fused launch over the budget, no request verified in its own chunk's launch."""

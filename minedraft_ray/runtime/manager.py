@@ -37,6 +37,7 @@ from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, WorkerSet, wait_for
+from .chunk_budget import ChunkBudget
 from .errors import EngineDeadError, EngineOverloadedError
 from .messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
                        VerifyTask)
@@ -149,6 +150,8 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
+        self._prefill_tokens = 0                       # prompt tokens of those prefill launches
+        self.chunk_budget = self._chunk_budget(config)
         self._joined = 0                               # first tokens from prefills, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
         self.counters = {"drafter_failures": 0, "drafter_restarts": 0, "aborted": 0, "finished": 0,
@@ -168,6 +171,13 @@ class BatchManager:
         self.step_listeners: list = []   # callables(StepRecord) — metrics hook
         self.metrics = EngineMetrics(config.served_model_name, config.mode).attach(self)
         self.collector = CollectorWatch("manager", config.served_model_name, config.mode)
+
+    @staticmethod
+    def _chunk_budget(config: EngineConfig) -> ChunkBudget | None:
+        """The adaptive chunk (chunk_gap_ratio), within the budget; None: the budget alone."""
+        if not config.chunk_gap_ratio or not config.prefill_chunk_tokens:
+            return None
+        return ChunkBudget.for_budget(config.prefill_chunk_tokens, config.chunk_gap_ratio)
 
     # ---- what others read ----------------------------------------------------------------------
     @property
@@ -348,16 +358,18 @@ class BatchManager:
         self.metrics.on_tokens(emitted)
 
     async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
-                          fused_prefill: bool | None = None) -> None:
-        """Benchmarks and tests: change k, the per-step prefill budget (0: unchunked) or whether chunks ride
-        inside verify launches between workloads, keeping the actors, models and CUDA graphs. Only while idle:
-        drafts in flight would carry the old k."""
+                          fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None) -> None:
+        """Benchmarks and tests: change k, the per-step prefill budget (0: unchunked), whether chunks ride
+        inside verify launches or the adaptive chunk's ratio (0: off) between workloads, keeping the actors, models
+        and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
-        if prefill_chunk_tokens is not None:
-            self.config = self.config.model_copy(update={"prefill_chunk_tokens": prefill_chunk_tokens})
+        if prefill_chunk_tokens is not None or chunk_gap_ratio is not None:
+            update = {"prefill_chunk_tokens": prefill_chunk_tokens, "chunk_gap_ratio": chunk_gap_ratio}
+            self.config = self.config.model_copy(update={n: v for n, v in update.items() if v is not None})
             EngineConfig.model_validate(self.config.model_dump())
-            self.sched.config.prefill_budget = prefill_chunk_tokens or None
+            self.sched.config.prefill_budget = self.config.prefill_chunk_tokens or None
+            self.chunk_budget, self.sched.chunk_limit = self._chunk_budget(self.config), None   # measured afresh
         if fused_prefill is not None:
             self.config = self.config.model_copy(update={"fused_prefill": fused_prefill})
             self.sched.config.fuse_prefill = fuses_prefill(self.config)
@@ -373,6 +385,7 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+                "chunk_gap_ratio": self.config.chunk_gap_ratio, "chunk_limit": s.chunk_limit,
                 "fused_prefill": s.config.fuse_prefill, "prefill_order": s.config.prefill_order.value,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
@@ -490,6 +503,7 @@ class BatchManager:
         if isinstance(task.plan, PrefillPlan):
             self._prefills_done += 1
             self._prefill_ms += result.device_ms
+            self._prefill_tokens += task.plan.num_tokens
             self._commit_prefill(task.plan, result)
             return
         verify: VerifyPlan = task.plan
@@ -511,8 +525,11 @@ class BatchManager:
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
+        prompt_tokens, self._prefill_tokens = self._prefill_tokens, 0   # this cycle's prefill launches
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
+            prompt_tokens += verify.prefill.num_tokens
+        record.prefill_tokens = prompt_tokens
         lengths = list(map(len, result.tokens))
         record.emitted = sum(lengths)
         record.draft_tokens = k * drafted
@@ -567,6 +584,9 @@ class BatchManager:
         # to the end of this one, on the worker's clock, so commits bunched at a busy manager do not skew it
         record.step_ms = (result.t_end - max(self._last_end, task.submitted_wall)) * 1e3
         self._observe_cadence(verify, record, result.t_end)
+        if self.chunk_budget is not None:   # this cycle sizes the chunks of the steps after the one just planned
+            self.chunk_budget.observe(record.step_ms, record.prefill_tokens)
+            s.chunk_limit = record.chunk_limit = self.chunk_budget.limit()
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = result.t_end

@@ -38,6 +38,9 @@ running request waits for one launch, not two. The budget then bounds the whole 
 first token is sampled in that launch); it rides the next one. Where the verify alone fills the budget, the chunk
 is its own task, as without fusion, so that prompts still progress.
 
+An adaptive chunk (`chunk_limit`, set by the manager from measured step times: runtime/chunk_budget.py) bounds a
+step's chunk further while anything decodes; everything above holds at any limit, as at any budget.
+
 KV blocks: the scheduler hands out both models' KV blocks (one `PlannedBlocks` pool per model, in this process) and
 the workers only apply its table changes, sent with their next task (`take_edits`): a worker runs its tasks in
 submission order, so a block freed here and given to another request is written by the new owner only after
@@ -314,6 +317,9 @@ class Scheduler:
         # behind the running one; psd and sd_split draft from committed tokens on another actor: one
         self.depth = 2 if self.mode in ("sd", "ar") else 1
         self.queued = [0, 0]
+        # prompt tokens a step's chunk may hold while anything decodes, below the budget's share (None: the
+        # budget alone); the manager sets it from measured step times (runtime/chunk_budget.py)
+        self.chunk_limit: int | None = None
         self.draft_ahead: list[DraftPlan | None] = [None, None]
         self.drafter_alive = self.mode in ("sd_split", "psd")
         self.drafter_generation = 0
@@ -854,6 +860,8 @@ class Scheduler:
         room = self.launch_budget(decoding) or sum(s.prefill_len - s.prompt_planned for s in pending)
         if room > verify_tokens:
             room -= verify_tokens
+        if decoding and self.chunk_limit is not None and self.config.prefill_budget:
+            room = min(room, self.chunk_limit)
         shares = self._prefill_shares(pending, room, mine)
         chunks = []
         for s in pending:

@@ -131,6 +131,36 @@ def set_synthetic_acceptance(llm, alpha: float) -> None:
     ray.get(ray.get(llm.manager.__ray_call__.remote(set_alpha)))
 
 
+# ---- prompt tokens that cost time (the adaptive chunk) ----------------------------------------------------
+class _SlowPrompts:
+    """Each prompt token a launch carries (a prefill, or chunks fused into a verify) adds ms_per_token to it,
+    inside its step's timer: a CPU's tiny models, whose steps are mostly fixed costs, priced like a GPU's, where a
+    chunk of a few hundred tokens takes a decode step's time again."""
+    ms_per_token: float
+
+    def _prefill_beside(self, rows) -> None:
+        super()._prefill_beside(rows)
+        time.sleep(self.ms_per_token * sum(len(r.tokens) for r in rows) / 1e3)
+
+
+class SlowPromptsVerifierWorker(_SlowPrompts, VerifierWorker):
+    def __init__(self, config: dict, num_slots: int, ms_per_token: float = 0.0, **group):
+        super().__init__(config, num_slots, **group)
+        self.ms_per_token = ms_per_token
+
+
+class SlowPromptsSpecWorker(_SlowPrompts, SpecWorker):
+    def __init__(self, config: dict, num_slots: int, ms_per_token: float = 0.0, **group):
+        super().__init__(config, num_slots, **group)
+        self.ms_per_token = ms_per_token
+
+
+def slow_prompts(ms_per_token: float) -> WorkerSet:
+    """LLM(..., _workers=slow_prompts(0.2)): every prompt token the verifier prefills costs 0.2 ms more."""
+    return WorkerSet(verifier=class_path(SlowPromptsVerifierWorker), spec=class_path(SlowPromptsSpecWorker),
+                     verifier_kwargs={"ms_per_token": ms_per_token})
+
+
 # ---- recording ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class VerifyRow:
