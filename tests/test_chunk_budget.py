@@ -10,12 +10,13 @@ from minedraft_ray.runtime.chunk_budget import ChunkBudget
 
 
 def run(budget: ChunkBudget, base_ms: float, per_token_ms: float, steps: int, rng: random.Random,
-        chunk_every: int = 2) -> list[tuple[int, float]]:
-    """Steps of a device: every chunk_every-th cycle carries no chunk (no prompt pending), the others the chunk
-    the budget allows -> (chunk, cycle ms) of the chunk cycles."""
+        chunk_every: int | None = 2) -> list[tuple[int, float]]:
+    """Steps of a device: every chunk_every-th cycle carries no chunk (no prompt pending; None: prompts never run
+    out), nor does a probe step; the others the chunk the budget allows -> (chunk, cycle ms) of the chunk cycles."""
     out = []
     for step in range(steps):
-        chunk = 0 if step % chunk_every == 0 else budget.limit()
+        idle = chunk_every is not None and step % chunk_every == 0
+        chunk = 0 if idle or budget.probe_due() else budget.limit()
         cycle = (base_ms + chunk * per_token_ms) * rng.uniform(0.95, 1.05)
         budget.observe(cycle, chunk)
         if chunk:
@@ -39,6 +40,28 @@ def test_the_chunk_follows_the_base_when_the_batch_grows():
     assert 90 <= budget.limit() <= 110   # 0.5 x 10 / 0.05
     run(budget, base_ms=30.0, per_token_ms=0.05, steps=200, rng=rng)   # more rows: a longer cycle to hide it in
     assert 270 <= budget.limit() <= 330
+
+
+def test_a_steady_stream_of_prompts_still_re_measures_the_base():
+    """Every cycle could carry a chunk: the base measured when the batch was small would age while it grows, the
+    rows' added time charged to the chunks (which would sink to the floor and keep prompts waiting); a probe step
+    every probe_every chunk cycles measures it afresh."""
+    budget, rng = ChunkBudget.for_budget(cap=1024, ratio=2.0), random.Random(4)
+    run(budget, base_ms=10.0, per_token_ms=0.05, steps=100, rng=rng)
+    assert 180 <= budget.limit() <= 220
+    chunks = run(budget, base_ms=30.0, per_token_ms=0.05, steps=400, rng=rng, chunk_every=None)
+    assert 540 <= budget.limit() <= 660, budget   # (2 - 1) x 30 / 0.05
+    probes = 400 - len(chunks)
+    assert 400 // (budget.probe_every + 1) - 1 <= probes <= 400 // budget.probe_every, probes
+
+
+def test_a_base_measured_high_leaves_the_cap_and_never_overflows():
+    """Cycles with chunks faster than the base on record (it was measured in a stall): chunks measure as free."""
+    budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
+    budget.observe(100.0, 0)
+    for _ in range(5000):
+        budget.observe(10.0, 512)
+    assert budget.limit() == 512
 
 
 def test_the_cap_and_the_floor_bound_it():

@@ -190,6 +190,8 @@ class Driver:
         started = {id(c.state) for p in plan.prefills + fused for c in p.chunks if c.last}
         decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
         check_prefills(self, plan.prefills + fused, decoding)
+        if self.sched.chunk_limit == 0:   # a probe step lasts one call
+            self.sched.chunk_limit = None
         self.plans.append(self.plan_shape(plan))
         # the manager's order: each prefill (the drafter's chunks behind it), then each verify with the round it
         # takes first and the round drafted behind it after (a fused verify's chunks go to the drafter first)
@@ -481,7 +483,9 @@ EVENTS = st.one_of(
     st.tuples(st.just("regime"), st.sampled_from(["psd", "seq"]), st.sampled_from(["psd", "seq", "auto"])),
 )
 # the adaptive chunk (runtime/chunk_budget.py) moves between steps: any limit, or none
-WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), st.sampled_from([None, 1, 2, 3, 5])))
+# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any limit, or none; 0 is a probe step (no
+# chunk while anything decodes), which the manager holds for one schedule call
+WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), st.sampled_from([None, 0, 1, 2, 3, 5, 100])))
 
 
 @functools.cache

@@ -164,6 +164,13 @@ def build_dashboard() -> Dashboard:
                                 "step wall time - device time (psd: max(draft, verify); else draft + verify)"))
         .with_panel(_timeseries("Draft time per step", "s", _quantiles("ray_minedraft_draft_seconds")))
         .with_panel(_timeseries("Verify time per step", "s", _quantiles("ray_minedraft_verify_seconds")))
+        .with_panel(_timeseries("Prompt tokens prefilled", "short", [
+            (f"sum by (replica) (rate(ray_minedraft_prefill_tokens_total{{{SEL}}}[{RATE}]))", "{{replica}}")],
+            "prompt tokens per second through the verifier (chunks fused into verifies included)"))
+        .with_panel(_timeseries("Prompt chunk per step", "short", [
+            (f"max by (replica) (ray_minedraft_prompt_chunk_limit_tokens{{{SEL}}})", "{{replica}}")],
+            "prompt tokens a step may carry while requests decode: the budget, or the adaptive chunk "
+            "(chunk_gap_ratio) sized from step times"))
 
         .with_row(Row("Batches"))
         .with_panel(_timeseries("Batch sizes", "short", [

@@ -76,6 +76,12 @@ SERIES = {
     "ray_minedraft_batch_size": ("gauge", "requests in batch `batch` (a | b) after the step; non-psd: all in a"),
     "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after a step of the split (psd keeps it <= 1); 0 "
                                       "while one sequential batch runs"),
+    "ray_minedraft_prefill_tokens_total": (
+        "counter", "prompt tokens prefilled by the verifier (whole prompts, or chunks on their own or fused into "
+                   "verifies)"),
+    "ray_minedraft_prompt_chunk_limit_tokens": (
+        "gauge", "prompt tokens one step's chunk may hold while requests decode: the budget (prefill_chunk_tokens; 0: "
+                 "whole prompts), or the adaptive chunk below it (chunk_gap_ratio)"),
     "ray_minedraft_queue_depth": ("gauge", "requests waiting for a slot"),
     "ray_minedraft_running_requests": ("gauge", "requests in the batches"),
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
@@ -196,6 +202,8 @@ class EngineMetrics:
         self.busy = gauge("minedraft_verifier_busy_fraction", d["ray_minedraft_verifier_busy_fraction"])
         self.batch_size = gauge("minedraft_batch_size", d["ray_minedraft_batch_size"], ("batch",))
         self.imbalance = gauge("minedraft_batch_imbalance", d["ray_minedraft_batch_imbalance"])
+        self.prefill_tokens = counter("minedraft_prefill_tokens", d["ray_minedraft_prefill_tokens_total"])
+        self.chunk_limit = gauge("minedraft_prompt_chunk_limit_tokens", d["ray_minedraft_prompt_chunk_limit_tokens"])
         self.queue_depth = gauge("minedraft_queue_depth", d["ray_minedraft_queue_depth"])
         self.running = gauge("minedraft_running_requests", d["ray_minedraft_running_requests"])
         self.slots_in_use = gauge("minedraft_slots_in_use", d["ray_minedraft_slots_in_use"])
@@ -308,6 +316,11 @@ class EngineMetrics:
             self._add(self.num_draft_tokens, record.draft_tokens)
             self._add(self.num_accepted_tokens, record.accepted)
             self.acceptance_length.observe(1.0 + record.accepted / drafts)
+        limit = record.chunk_limit
+        if limit is None and manager is not None:
+            limit = manager.config.prefill_chunk_tokens
+        if limit is not None:
+            self._set(self.chunk_limit, limit)
         a, b = record.sizes
         self._set(self.batch_size, a, 0)
         self._set(self.batch_size, b, 1)
@@ -350,6 +363,10 @@ class EngineMetrics:
         self._preemptions_seen = snapshot.preemptions
 
     # ---- per emit / per request ----------------------------------------------------------------
+    def on_prefill(self, prompt_tokens: int) -> None:
+        """A prefill task (or the chunks fused into a verify) ran."""
+        self._add(self.prefill_tokens, prompt_tokens)
+
     def on_tokens(self, n: int) -> None:
         """`n` tokens were handed to requests (after stop / max_tokens cuts): one call per emit."""
         if n:

@@ -364,18 +364,16 @@ class BatchManager:
         and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
-        if prefill_chunk_tokens is not None or chunk_gap_ratio is not None:
-            update = {"prefill_chunk_tokens": prefill_chunk_tokens, "chunk_gap_ratio": chunk_gap_ratio}
-            self.config = self.config.model_copy(update={n: v for n, v in update.items() if v is not None})
-            EngineConfig.model_validate(self.config.model_dump())
-            self.sched.config.prefill_budget = self.config.prefill_chunk_tokens or None
-            self.chunk_budget, self.sched.chunk_limit = self._chunk_budget(self.config), None   # measured afresh
-        if fused_prefill is not None:
-            self.config = self.config.model_copy(update={"fused_prefill": fused_prefill})
-            self.sched.config.fuse_prefill = fuses_prefill(self.config)
+        update = {"k": k, "prefill_chunk_tokens": prefill_chunk_tokens, "fused_prefill": fused_prefill,
+                  "chunk_gap_ratio": chunk_gap_ratio}
+        config = self.config.model_copy(update={n: v for n, v in update.items() if v is not None})
+        EngineConfig.model_validate(config.model_dump())   # before anything changes
+        self.config = config
+        self.sched.config.prefill_budget = config.prefill_chunk_tokens or None
+        self.sched.config.fuse_prefill = fuses_prefill(config)
+        # a step's times depend on all of these: the adaptive chunk measures afresh
+        self.chunk_budget, self.sched.chunk_limit = self._chunk_budget(config), None
         if k is not None:
-            self.config = self.config.model_copy(update={"k": k})
-            EngineConfig.model_validate(self.config.model_dump())
             self.sched.set_k(k)   # what a step writes past a request's length
             # what either regime costs depends on k: measure afresh (a cost carried over kept psd sequential)
             self.sched.reset_choosers()
@@ -445,6 +443,9 @@ class BatchManager:
                         self._wake.clear()
                         await self._wake.wait()
                 else:
+                    # idle: prefills that no verify followed (requests that ended at their first token) are no
+                    # part of the next verify's cycle, which starts at its submission
+                    self._prefill_ms, self._prefill_tokens = 0.0, 0
                     self._wake.clear()
                     await self._wake.wait()
             except EngineDeadError as e:
@@ -504,6 +505,7 @@ class BatchManager:
             self._prefills_done += 1
             self._prefill_ms += result.device_ms
             self._prefill_tokens += task.plan.num_tokens
+            self.metrics.on_prefill(task.plan.num_tokens)
             self._commit_prefill(task.plan, result)
             return
         verify: VerifyPlan = task.plan
@@ -529,6 +531,7 @@ class BatchManager:
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
             prompt_tokens += verify.prefill.num_tokens
+            self.metrics.on_prefill(verify.prefill.num_tokens)
         record.prefill_tokens = prompt_tokens
         lengths = list(map(len, result.tokens))
         record.emitted = sum(lengths)
@@ -586,7 +589,8 @@ class BatchManager:
         self._observe_cadence(verify, record, result.t_end)
         if self.chunk_budget is not None:   # this cycle sizes the chunks of the steps after the one just planned
             self.chunk_budget.observe(record.step_ms, record.prefill_tokens)
-            s.chunk_limit = record.chunk_limit = self.chunk_budget.limit()
+            record.chunk_limit = self.chunk_budget.limit()
+            s.chunk_limit = 0 if self.chunk_budget.probe_due() else record.chunk_limit   # 0: a step without one
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = result.t_end

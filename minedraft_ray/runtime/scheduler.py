@@ -39,7 +39,8 @@ first token is sampled in that launch); it rides the next one. Where the verify 
 is its own task, as without fusion, so that prompts still progress.
 
 An adaptive chunk (`chunk_limit`, set by the manager from measured step times: runtime/chunk_budget.py) bounds a
-step's chunk further while anything decodes; everything above holds at any limit, as at any budget.
+step's chunk further while anything decodes (0: none, a step that measures the time without one); everything
+above holds at any limit, as at any budget.
 
 KV blocks: the scheduler hands out both models' KV blocks (one `PlannedBlocks` pool per model, in this process) and
 the workers only apply its table changes, sent with their next task (`take_edits`): a worker runs its tasks in
