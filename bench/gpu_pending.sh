@@ -16,6 +16,8 @@
 # PART 13: serve vs offline's online loads (never run on a GPU: every call so far passed --loads ''), ar and sd.
 # PARTS 14 (ar) and 15 (sd) (#24, first): the adaptive chunk (chunk_gap_ratio 2) beside the fixed 512 budget and
 # padded in one call: does sizing chunks from step times meet the gap ratio, and at what TTFT P99.
+# PART 16 (#24): the gpt-fast peer (bench/gpt_fast_peer.py; carry third_party/gpt-fast): decode, verify and prefill
+# step times at the 8B shape, batches 1 and 32, its compile inside the limit.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
@@ -87,7 +89,10 @@ case "${1:?PART}" in
   step real_traffic_sd_adaptive 450 python -m bench.real_traffic --modes sd --engines padded,fused:512,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd_adaptive"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14 or 15" >&2; exit 2 ;;
+16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
+  step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
+  ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15 or 16" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
