@@ -180,3 +180,29 @@ def test_verifier_killed_fails_requests_clearly(shared_engines, transport):
             llm.generate(PROMPTS[0], greedy(4))
     finally:
         llm.shutdown()
+
+
+def test_a_worker_process_dying_while_it_starts_costs_a_second_start(ray_cluster, tiny_llama, reference, tmp_path):
+    """The verifier's process killed in its constructor (as the OOM killer would): the workers start again, once,
+    and the engine serves ar's output; killed at both starts, the LLM fails with the death; a constructor that
+    raises (it would raise again) is not retried."""
+    from minedraft_ray.testing.workers import dies_while_starting
+
+    deaths = tmp_path / "deaths"
+    deaths.write_text("1")
+    llm = LLM(tiny_llama, mode="ar", max_batch=4, torch_threads=1, _workers=dies_while_starting(str(deaths)))
+    try:
+        assert deaths.read_text() == "0" and llm.info()["worker_start_retries"] == 1
+        outs = llm.generate(PROMPTS[:4], [greedy(n) for n in LENGTHS[:4]])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in reference[:4]]
+    finally:
+        llm.shutdown()
+    deaths.write_text("2")
+    with pytest.raises(ray.exceptions.RayTaskError, match="worker process has died"):
+        LLM(tiny_llama, mode="ar", max_batch=4, torch_threads=1, _workers=dies_while_starting(str(deaths)))
+    assert deaths.read_text() == "0"   # both starts died
+    deaths.write_text("2")
+    with pytest.raises(ray.exceptions.RayTaskError, match="constructor failed"):
+        LLM(tiny_llama, mode="ar", max_batch=4, torch_threads=1,
+            _workers=dies_while_starting(str(deaths), raises=True))
+    assert deaths.read_text() == "1"   # one start, not retried

@@ -28,6 +28,10 @@ log = logging.getLogger("minedraft.runtime")
 
 # an actor start loads weights and captures its CUDA graphs: far longer than any step may take
 START_TIMEOUT_S = 900.0
+# starts of the workers when a worker's process dies while it starts (not an error its constructor raised, which
+# would raise again): a process killed from outside (the OOM killer, a node's hiccup) costs a second start, not
+# the engine
+START_ATTEMPTS = 2
 
 
 async def wait_for(ref, what: str, timeout_s: float):
@@ -178,12 +182,26 @@ class WorkerActors:
         self.tp_group: Rendezvous | None = None   # where the ranks met; their NCCL group uses it while it lives
         self.drafter_seq = 0     # drafter tasks numbered so far (next_drafter_seq)
         self.info: dict = {}
+        self.start_retries = 0   # starts of the workers again after a process died while starting (START_ATTEMPTS)
         options = {"max_restarts": 0, **channel.actor_options}
         self._verifier_cls, self._drafter_cls, self._spec_cls = (ray.remote(**options)(cls)
                                                                  for cls in (VerifierActor, DrafterActor, SpecActor))
 
     async def start(self) -> dict:
-        """Both actors up, connected -> {"verifier": info, "drafter": info | None}."""
+        """Both actors up, connected -> {"verifier": info, "drafter": info | None}. A worker whose process died
+        while it started (ActorDiedError, its constructor raised nothing) has every worker started again, once."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                return await self._start()
+            except ray.exceptions.ActorDiedError as e:
+                if e.actor_init_failed or attempt == START_ATTEMPTS:
+                    raise
+                log.warning("a worker's process died while it started (start %d of %d); starting the workers "
+                            "again: %s", attempt, START_ATTEMPTS, e)
+                self.start_retries += 1
+                await self._stop_workers()
+
+    async def _start(self) -> dict:
         if self.pg is None:
             self.pg = ray.util.get_current_placement_group()
         tp = self.config.tp
@@ -246,11 +264,16 @@ class WorkerActors:
         return self.drafter_seq - 1
 
     async def shutdown(self) -> None:
+        await self._stop_workers()
+        if self.own_pg:
+            ray.util.remove_placement_group(self.pg)
+
+    async def _stop_workers(self) -> None:
         await self.channel.disconnect()
         for actor in (self.verifier, self.drafter, *self.ranks):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         if self.tp_group is not None:
             self.tp_group.close()
-        if self.own_pg:
-            ray.util.remove_placement_group(self.pg)
+        self.verifier = self.drafter = self.tp_group = None
+        self.ranks, self.follows = [], []

@@ -387,6 +387,7 @@ class BatchManager:
                 "fused_prefill": s.config.fuse_prefill, "prefill_order": s.config.prefill_order.value,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
+                "worker_start_retries": self.actors.start_retries,
                 "verifier_overlap": self.config.verifier_overlap, "drafter_overlap": self.config.drafter_overlap,
                 "steps": s.steps, **s.counters, **self.counters, "kv_cache": self.kv_info(),
                 "recent_steps": self.recent_steps(),

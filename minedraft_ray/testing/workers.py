@@ -7,8 +7,11 @@ are reached through the actor's `worker` (runtime/actors.py: the actor hands the
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -159,6 +162,30 @@ def slow_prompts(ms_per_token: float) -> WorkerSet:
     """LLM(..., _workers=slow_prompts(0.2)): every prompt token the verifier prefills costs 0.2 ms more."""
     return WorkerSet(verifier=class_path(SlowPromptsVerifierWorker), spec=class_path(SlowPromptsSpecWorker),
                      verifier_kwargs={"ms_per_token": ms_per_token})
+
+
+# ---- a worker that dies, or fails, while it starts ----------------------------------------------------
+class DiesWhileStartingVerifierWorker(VerifierWorker):
+    """Its process is killed (SIGKILL, as the OOM killer kills) in its constructor while the count in the file
+    `deaths` is above zero, each death taking one off: a count of 1 kills the first start only. `raises`: its
+    constructor raises instead (an error that would raise again)."""
+
+    def __init__(self, config: dict, num_slots: int, deaths: str, raises: bool = False, **group):
+        path = Path(deaths)
+        left = int(path.read_text())
+        if left > 0:
+            path.write_text(str(left - 1))
+            if raises:
+                raise RuntimeError("the worker's constructor failed (injected)")
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().__init__(config, num_slots, **group)
+
+
+def dies_while_starting(deaths: str, raises: bool = False) -> WorkerSet:
+    """LLM(..., mode="ar", _workers=dies_while_starting(path)): the verifier's process dies while it starts as
+    many times as the file at `path` says (or its constructor raises, `raises`)."""
+    return WorkerSet(verifier=class_path(DiesWhileStartingVerifierWorker),
+                     verifier_kwargs={"deaths": deaths, "raises": raises})
 
 
 # ---- recording ---------------------------------------------------------------------------------------
