@@ -21,7 +21,8 @@
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
-# or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say.
+# or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,
+# and `python -m bench.real_traffic --loads 0.6 --online-s 15 --long-prompts 8 --merge RUN.parquet ...` for real traffic.
 set -u
 : "${OUT:?}" "${GIT_SHA:?}"
 OUT=$(realpath -m "$OUT")   # the parent's steps run inside .parent

@@ -44,11 +44,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import command_line, fmt, git_sha, say, write_results
+from bench.common import command_line, fmt, git_sha, merge_by_config, say, write_results
 from bench.psd_vs_sd import machine_name, poisson_arrivals
 from bench.prefill_speed import Z99
 
 NAME = "real_traffic"
+ROOT_RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "added_long", "completed", "prompt_tokens",
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",
@@ -302,12 +303,35 @@ def parse(argv):
     p.add_argument("--out", default=None, help="folder of real_traffic.{parquet,md,png} (default bench/results; "
                    "smoke: /tmp/real_traffic_smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, 2 fake GPUs, a small workload")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PARQUET",
+                   help="run nothing: merge these runs' real_traffic.parquet into --out's (a row replaces the one of "
+                   "the same mode, engine, workload and load; later files win) and write its md and plot again, the "
+                   "workload described by the other flags (give the runs' own)")
     return p.parse_args(argv)
+
+
+MERGE_KEY = ("mode", "engine", "workload", "load")
+
+
+def merge_runs(out: Path, runs: list[Path], args) -> list[dict]:
+    """--merge: the results' rows with the runs' merged in, written."""
+    import pyarrow.parquet as pq
+
+    results = out / f"{NAME}.parquet"
+    rows = pq.read_table(results).to_pylist() if results.exists() else []
+    for run in runs:
+        rows = merge_by_config(rows, pq.read_table(run).to_pylist(), MERGE_KEY)
+    write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    if args.merge:
+        out = Path(args.out or "bench/results")
+        say(f"{out / NAME}.parquet: {len(merge_runs(out, [Path(m) for m in args.merge], args))} rows")
+        return 0
     import ray
 
     if args.smoke:
@@ -404,6 +428,9 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
                      f"prompts drawn from the same lognormal above {work.long_tokens} tokens (inverse CDF over the "
                      f"tail, request ids from {TAIL_IDS}), arriving at (j + 0.5) x {args.online_s:g} s / "
                      f"{args.long_prompts}")
+    commands = dict.fromkeys((r["command"], r["git_sha"]) for r in rows)
+    if len(commands) > 1:   # merged runs
+        notes.append("Rows from: " + "; ".join(f"`{c}` at {sha}" for c, sha in commands))
     notes += ratios(rows)
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
                          "launches) vs the padded engine",

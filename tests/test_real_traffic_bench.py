@@ -5,6 +5,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from bench.common import write_results
 from bench.real_traffic import (COLUMNS, TAIL_IDS, Requests, Trace, Workload, long_arrivals, long_prompt_gaps,
                                 main)
 
@@ -79,3 +80,27 @@ def test_smoke(ray_cluster, tmp_path):
     assert "prefill prompt tokens/s chunked / padded" in md and "fused" in md
     assert "online_long: 0.5 s of Poisson arrivals" in md and "long prompts (online_long; target <= 2)" in md
     assert (tmp_path / "real_traffic.png").is_file()
+
+
+def test_merge_replaces_and_adds_configurations(tmp_path):
+    """--merge: a run's rows replace the results' of the same mode, engine, workload and load and add the rest; the
+    md lists every run's command and the ratios of the new engine (the committed results as the old rows)."""
+    import shutil
+
+    from bench.real_traffic import NAME, ROOT_RESULTS
+
+    shutil.copy(ROOT_RESULTS / f"{NAME}.parquet", tmp_path / f"{NAME}.parquet")
+    old = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
+    closed = next(r for r in old if (r["mode"], r["engine"], r["workload"]) == ("ar", "padded", "closed"))
+    run = [{**closed, "tokens_per_s": 1.0, "command": "python -m bench.real_traffic --run-a", "git_sha": "aaaaaaa"},
+           {**closed, "engine": "fused:512@2", "tokens_per_s": 2.0, "chunk_gap_ratio": 2.0,
+            "command": "python -m bench.real_traffic --run-a", "git_sha": "aaaaaaa"}]
+    write_results(run, tmp_path / "run", NAME, COLUMNS, "run", run[0]["command"], run[0]["device"])
+    assert main(["--merge", str(tmp_path / "run" / f"{NAME}.parquet"), "--out", str(tmp_path)]) == 0
+    rows = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
+    assert len(rows) == len(old) + 1
+    by = {(r["mode"], r["engine"], r["workload"], r["load"]): r for r in rows}
+    assert by["ar", "padded", "closed", None]["tokens_per_s"] == 1.0
+    assert by["ar", "fused:512@2", "closed", None]["chunk_gap_ratio"] == 2.0
+    md = (tmp_path / f"{NAME}.md").read_text()
+    assert "Rows from: " in md and "--run-a` at aaaaaaa" in md and "closed tok/s fused:512@2 / padded = 2.00" in md
