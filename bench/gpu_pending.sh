@@ -19,6 +19,8 @@
 # PART 16 (#24): the gpt-fast peer (bench/gpt_fast_peer.py; carry third_party/gpt-fast): decode, verify and prefill
 # step times at the 8B shape, batches 1 and 32, its compile inside the limit.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
+# Order for a 30-minute device budget (three calls): 14, 15 (the adaptive chunk decides #24's default), then 13
+# (#22's online load) or 16 (the gpt-fast peer); then 5, 1, 3, 7.
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,
