@@ -321,6 +321,11 @@ def merge_runs(out: Path, runs: list[Path], args) -> list[dict]:
     rows = pq.read_table(results).to_pylist() if results.exists() else []
     for run in runs:
         rows = merge_by_config(rows, pq.read_table(run).to_pylist(), MERGE_KEY)
+    # one setting per mode: a CPU smoke run, another batch or k would otherwise replace rows it cannot compare with
+    for mode in {r["mode"] for r in rows}:
+        settings = {(r["device"], r["max_batch"], r["k"], r["alpha"]) for r in rows if r["mode"] == mode}
+        if len(settings) > 1:
+            raise SystemExit(f"{mode}: rows of different device, max_batch, k or alpha would mix: {sorted(settings)}")
     write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args)
     return rows
 

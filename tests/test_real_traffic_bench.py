@@ -104,3 +104,16 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     assert by["ar", "fused:512@2", "closed", None]["chunk_gap_ratio"] == 2.0
     md = (tmp_path / f"{NAME}.md").read_text()
     assert "Rows from: " in md and "--run-a` at aaaaaaa" in md and "closed tok/s fused:512@2 / padded = 2.00" in md
+    # a later run wins; a run on another device (or batch, k, alpha) is refused, the results untouched
+    later = [{**run[0], "tokens_per_s": 3.0, "command": "python -m bench.real_traffic --run-b"}]
+    write_results(later, tmp_path / "later", NAME, COLUMNS, "run", later[0]["command"], later[0]["device"])
+    assert main(["--merge", str(tmp_path / "run" / f"{NAME}.parquet"), str(tmp_path / "later" / f"{NAME}.parquet"),
+                 "--out", str(tmp_path)]) == 0
+    rows = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
+    assert [r["tokens_per_s"] for r in rows if (r["mode"], r["engine"], r["workload"]) == ("ar", "padded", "closed")
+            ] == [3.0]
+    cpu = [{**run[0], "device": "2 x CPU (smoke)"}]
+    write_results(cpu, tmp_path / "cpu", NAME, COLUMNS, "run", cpu[0]["command"], cpu[0]["device"])
+    with pytest.raises(SystemExit, match="would mix"):
+        main(["--merge", str(tmp_path / "cpu" / f"{NAME}.parquet"), "--out", str(tmp_path)])
+    assert pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist() == rows

@@ -77,11 +77,11 @@ SERIES = {
     "ray_minedraft_batch_imbalance": ("gauge", "| |A| - |B| | after a step of the split (psd keeps it <= 1); 0 "
                                       "while one sequential batch runs"),
     "ray_minedraft_prefill_tokens_total": (
-        "counter", "prompt tokens prefilled by the verifier (whole prompts, or chunks on their own or fused into "
-                   "verifies)"),
+        "counter", "tokens prefilled by the verifier: prompts (whole, or chunks on their own or fused into "
+                   "verifies), and what a preempted request recomputes when it resumes"),
     "ray_minedraft_prompt_chunk_limit_tokens": (
-        "gauge", "prompt tokens one step's chunk may hold while requests decode: the budget (prefill_chunk_tokens; 0: "
-                 "whole prompts), or the adaptive chunk below it (chunk_gap_ratio)"),
+        "gauge", "prompt tokens one step's chunk may hold while requests decode: the budget (prefill_chunk_tokens), "
+                 "or the adaptive chunk below it (chunk_gap_ratio); not exported without chunking"),
     "ray_minedraft_queue_depth": ("gauge", "requests waiting for a slot"),
     "ray_minedraft_running_requests": ("gauge", "requests in the batches"),
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
@@ -319,7 +319,7 @@ class EngineMetrics:
         limit = record.chunk_limit
         if limit is None and manager is not None:
             limit = manager.config.prefill_chunk_tokens
-        if limit is not None:
+        if limit:   # unchunked (0): no bound to show
             self._set(self.chunk_limit, limit)
         a, b = record.sizes
         self._set(self.batch_size, a, 0)

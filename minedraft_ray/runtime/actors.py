@@ -44,6 +44,21 @@ async def wait_for(ref, what: str, timeout_s: float):
         raise TimeoutError(f"{what} took longer than {timeout_s:.0f} s") from None
 
 
+async def first_error_cancels_the_rest(waits: list) -> list:
+    """gather(), but the first error cancels the waits still running and takes the others' errors as read: a
+    start that failed (and may be retried) leaves no task behind to report an exception nobody retrieved."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()
+        raise
+
+
 def class_path(cls: type) -> str:
     """A class's import path, as WorkerSet names it: "module:Class" (a class at its module's top level)."""
     path = f"{cls.__module__}:{cls.__qualname__}"
@@ -230,7 +245,7 @@ class WorkerActors:
         if self.mode in ("sd_split", "psd"):
             self.drafter = self._new_drafter()
             waits.append(wait_for(self.drafter.ready.remote(), "drafter start", START_TIMEOUT_S))
-        infos = await asyncio.gather(*waits, *rank_waits)
+        infos = await first_error_cancels_the_rest(waits + rank_waits)
         self.info = {"verifier": infos[0], "drafter": infos[1] if len(waits) > 1 else None,
                      "ranks": infos[len(waits):]}
         if self.drafter is not None:
