@@ -244,7 +244,8 @@ def plot_serve_vs_offline(parquet, png) -> Path:
         online.plot(loads, [r["ttft_p99_ms"] for r in pts], ":x", color=color, label=f"{label(r0)} TTFT P99")
     online.set(xlabel="arrival rate (requests/s; 30/60/90 % of each row's HTTP capacity)", ylabel="ms", yscale="log",
                title="Online (Poisson): chunk gap and TTFT")
-    online.legend(fontsize=7)
+    if online.get_legend_handles_labels()[0]:   # no online rows: no legend (matplotlib warns of an empty one)
+        online.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -314,7 +315,8 @@ def plot_real_traffic(parquet, png) -> Path:
         online.plot(rates, [r["gap_p99_ms"] for r in pts], "--x", color=f"C{i}", label=f"{mode} {engine} gap P99")
     online.set(xlabel="arrival rate (requests/s; 30/60/90 % of the padded engine's capacity)", ylabel="ms",
                yscale="log", title="Online (Poisson, long-tailed prompts)")
-    online.legend(fontsize=7)
+    if online.get_legend_handles_labels()[0]:   # no online rows: no legend (matplotlib warns of an empty one)
+        online.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
