@@ -182,15 +182,18 @@ def test_verifier_killed_fails_requests_clearly(shared_engines, transport):
         llm.shutdown()
 
 
-def test_a_worker_process_dying_while_it_starts_costs_a_second_start(ray_cluster, tiny_llama, reference, tmp_path):
+def test_a_worker_process_dying_while_it_starts_costs_a_second_start(ray_cluster, tiny_llama, tiny_llama_draft,
+                                                                     reference, tmp_path):
     """The verifier's process killed in its constructor (as the OOM killer would): the workers start again, once,
-    and the engine serves ar's output; killed at both starts, the LLM fails with the death; a constructor that
-    raises (it would raise again) is not retried."""
+    and the engine serves ar's output (psd: the first start's drafter holds the drafter bundle's GPU, so the second
+    start's drafter is placed only if the first was killed); killed at both starts, the LLM fails with the death;
+    a constructor that raises (it would raise again) is not retried."""
     from minedraft_ray.testing.workers import dies_while_starting
 
     deaths = tmp_path / "deaths"
     deaths.write_text("1")
-    llm = LLM(tiny_llama, mode="ar", max_batch=4, torch_threads=1, _workers=dies_while_starting(str(deaths)))
+    llm = LLM(tiny_llama, tiny_llama_draft, mode="psd", k=3, max_batch=2, torch_threads=1,
+              _workers=dies_while_starting(str(deaths)))
     try:
         assert deaths.read_text() == "0" and llm.info()["worker_start_retries"] == 1
         outs = llm.generate(PROMPTS[:4], [greedy(n) for n in LENGTHS[:4]])
