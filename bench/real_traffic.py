@@ -49,7 +49,6 @@ from bench.psd_vs_sd import machine_name, poisson_arrivals
 from bench.prefill_speed import Z99
 
 NAME = "real_traffic"
-ROOT_RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = ["mode", "engine", "workload", "load", "rate_rps", "n_requests", "added_long", "completed", "prompt_tokens",
            "prefill_tokens_per_s", "prefill_ms", "tokens_per_s", "run_s", "ttft_p50_ms", "ttft_p99_ms", "gap_p50_ms",
            "gap_p99_ms", "n_long", "gap_long_p99_ms", "gap_quiet_p50_ms", "long_over_quiet", "prefill_tasks",

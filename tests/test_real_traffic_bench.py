@@ -87,9 +87,12 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     md lists every run's command and the ratios of the new engine (the committed results as the old rows)."""
     import shutil
 
-    from bench.real_traffic import NAME, ROOT_RESULTS
+    from pathlib import Path
 
-    shutil.copy(ROOT_RESULTS / f"{NAME}.parquet", tmp_path / f"{NAME}.parquet")
+    from bench.real_traffic import NAME
+
+    shutil.copy(Path(__file__).resolve().parent.parent / "bench" / "results" / f"{NAME}.parquet",
+                tmp_path / f"{NAME}.parquet")
     old = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
     closed = next(r for r in old if (r["mode"], r["engine"], r["workload"]) == ("ar", "padded", "closed"))
     run = [{**closed, "tokens_per_s": 1.0, "command": "python -m bench.real_traffic --run-a", "git_sha": "aaaaaaa"},

@@ -316,11 +316,6 @@ class EngineMetrics:
             self._add(self.num_draft_tokens, record.draft_tokens)
             self._add(self.num_accepted_tokens, record.accepted)
             self.acceptance_length.observe(1.0 + record.accepted / drafts)
-        limit = record.chunk_limit
-        if limit is None and manager is not None:
-            limit = manager.config.prefill_chunk_tokens
-        if limit:   # unchunked (0): no bound to show
-            self._set(self.chunk_limit, limit)
         a, b = record.sizes
         self._set(self.batch_size, a, 0)
         self._set(self.batch_size, b, 1)
@@ -334,6 +329,12 @@ class EngineMetrics:
         if self._wall_ms >= self.window_s * 1e3 or (a + b == 0 and self._wall_ms > 0):
             self._set(self.busy, min(self._busy_ms / self._wall_ms, 1.0))
             self._busy_ms = self._wall_ms = 0.0
+            # the chunk limit moves slowly: read once per window, as the snapshot's gauges are
+            limit = record.chunk_limit
+            if limit is None and manager is not None:
+                limit = manager.config.prefill_chunk_tokens
+            if limit:   # unchunked (0): no bound to show
+                self._set(self.chunk_limit, limit)
             if manager is not None:
                 self.on_snapshot(manager.snapshot())
             self.flush()
