@@ -19,8 +19,9 @@
 # PART 16 (#24): the gpt-fast peer (bench/gpt_fast_peer.py; carry third_party/gpt-fast): decode, verify and prefill
 # step times at the 8B shape, batches 1 and 32, its compile inside the limit.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
-# Order for a 30-minute device budget (three calls): 14, 15 (the adaptive chunk decides #24's default), then 13
-# (#22's online load) or 16 (the gpt-fast peer); then 5, 1, 3, 7.
+# PART 17 (#24): the adaptive chunk priced per launch class, ar and sd beside padded, with online_long's steps.
+# Order for a 30-minute device budget: 17 (part 14 ran at 5b0a322: a per-token price overran the ratio), 16 (the
+# gpt-fast peer), 13 (#22's online load); then 5, 1, 3, 7.
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,
@@ -92,10 +93,17 @@ case "${1:?PART}" in
   step real_traffic_sd_adaptive 450 python -m bench.real_traffic --modes sd --engines padded,fused:512,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --out "$OUT/real_traffic_sd_adaptive"
   ;;
+17)  # #24: the adaptive chunk priced per launch class (runtime/chunk_budget.py) beside padded, ar and sd, with the
+     # online_long steps (--steps: what made the long gaps)
+  step real_traffic_ar_classes 270 python -m bench.real_traffic --modes ar --engines padded,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_ar_classes"
+  step real_traffic_sd_classes 290 python -m bench.real_traffic --modes sd --engines padded,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_sd_classes"
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15 or 16" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16 or 17" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

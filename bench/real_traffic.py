@@ -194,6 +194,15 @@ def long_prompt_gaps(traces: list[Trace], long_tokens: int) -> dict:
             "long_over_quiet": p99 / p50 if p99 is not None and p50 else None}
 
 
+def step_trace(records, mode: str, engine: str, workload: str) -> list[dict]:
+    """--steps: a run's verifier cycles, to tell what made its long gaps (a chunk's launch, or something else)."""
+    return [{"mode": mode, "engine": engine, "workload": workload, "step": i, "t_emit": r.t_emit,
+             "step_ms": r.step_ms, "t_verify_ms": r.t_verify_ms, "t_prefill_ms": r.t_prefill_ms, "rows": r.verified,
+             "prefill_tokens": r.prefill_tokens, "chunk_launch_tokens": r.chunk_launch_tokens,
+             "chunk_limit": r.chunk_limit, "host_ms": r.host_ms, "launch_gap_ms": r.launch_gap_ms}
+            for i, r in enumerate(records)]
+
+
 def long_arrivals(count: int, seconds: float) -> list[float]:
     """When online_long's added long prompts arrive: evenly spaced over the run, none at its edges."""
     return [(j + 0.5) * seconds / count for j in range(count)]
@@ -301,6 +310,8 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder of real_traffic.{parquet,md,png} (default bench/results; "
                    "smoke: /tmp/real_traffic_smoke)")
+    p.add_argument("--steps", action="store_true", help="also write the engine's steps in online_long (cycle, "
+                   "chunk and launch tokens, the adaptive limit) to real_traffic_steps.parquet")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny models, 2 fake GPUs, a small workload")
     p.add_argument("--merge", nargs="+", default=None, metavar="PARQUET",
                    help="run nothing: merge these runs' real_traffic.parquet into --out's (a row replaces the one of "
@@ -354,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         more = {"num_cpus": 4, "num_gpus": 2} if args.smoke else {}
         ray.init(address="local", include_dashboard=False, _temp_dir=str(work_dir / "ray"), log_to_driver=False,
                  **more)
-    rows, loads = [], [float(x) for x in args.loads.split(",") if x]
+    rows, step_rows, loads = [], [], [float(x) for x in args.loads.split(",") if x]
     try:
         target, draft = model_pair(args, work_dir)
         requests = Requests(work, vocab_of(target))
@@ -396,13 +407,21 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({**base, "workload": "online_pooled", "n_requests": len(traces_all),
                                      **online_stats(traces_all, work.long_tokens)})
                     if args.long_prompts:
+                        first_step = len(llm.history())
                         rows.append({**base, **run_online_long(llm, requests, args, capacity, work, next_id,
                                                                f"{mode}-{engine}-long")})
+                        if args.steps:
+                            step_rows += step_trace(llm.history()[first_step:], mode, engine, "online_long")
                         say(f"{mode} {engine} with {args.long_prompts} long prompts: gap ratio "
                             f"{fmt(rows[-1]['long_over_quiet'])} over {rows[-1]['n_long']}")
                 finally:
                     llm.shutdown()
                 write(out, rows, work, args)   # after every engine: a device call cut short keeps what it measured
+                if step_rows:
+                    import pyarrow as pa
+                    import pyarrow.parquet as pq
+
+                    pq.write_table(pa.Table.from_pylist(step_rows), out / f"{NAME}_steps.parquet")
     finally:
         if own_ray:
             ray.shutdown()

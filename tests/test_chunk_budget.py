@@ -1,76 +1,127 @@
-"""The adaptive chunk (runtime/chunk_budget.py) against a made-up device whose verifier cycle takes base + n x
-per_token ms for a chunk of n prompt tokens, with noise: the chunk it settles on keeps a cycle within the ratio,
-follows the base when the batch grows, and stays within its cap and floor."""
+"""The adaptive chunk (runtime/chunk_budget.py) against a made-up device shaped like an H200's fused steps
+(bench/results/fused_step_profile.md): a cycle without a chunk takes `base` ms, and one whose launch carries a
+chunk adds a time that is a step function of the launch's token bucket, with a jump where the launch leaves the
+decode path. The chunk it settles on keeps a cycle within the ratio, it overruns the ratio only while it learns
+the classes (never again once settled), follows the base when the batch grows, and stays within its cap and
+floor."""
 import random
 
 import pytest
 
 from minedraft_ray.config import EngineConfig
-from minedraft_ray.runtime.chunk_budget import ChunkBudget
+from minedraft_ray.engine.launch_buckets import token_bucket
+from minedraft_ray.runtime.chunk_budget import ChunkBudget, ChunkLimit
+
+ROWS = 32   # ar's verify: one token per row, fused with the chunk
+# what a launch of each bucket adds to an 8B decode step at batch 32 (rounded from the profile; 640+ eager-ish)
+ADDED_MS = {16: 2.5, 32: 2.6, 64: 2.8, 128: 3.0, 256: 3.6, 320: 5.0, 384: 6.5, 512: 8.5}
 
 
-def run(budget: ChunkBudget, base_ms: float, per_token_ms: float, steps: int, rng: random.Random,
-        chunk_every: int | None = 2) -> list[tuple[int, float]]:
-    """Steps of a device: every chunk_every-th cycle carries no chunk (no prompt pending; None: prompts never run
-    out), nor does a probe step; the others the chunk the budget allows -> (chunk, cycle ms) of the chunk cycles."""
+def added(launch_tokens: int) -> float:
+    return ADDED_MS[token_bucket(launch_tokens, tuple(ADDED_MS))]
+
+
+def run(budget: ChunkBudget, base_ms: float, steps: int, rng: random.Random, chunk_every: int | None = 2,
+        cost=added) -> list[tuple[int, float]]:
+    """Steps of the device: every chunk_every-th cycle carries no chunk (no prompt pending; None: prompts never run
+    out), nor does a probe step; the others the chunk the budget allows, fused with ROWS verify tokens
+    -> (launch tokens, cycle ms) of the chunk cycles."""
     out = []
     for step in range(steps):
         idle = chunk_every is not None and step % chunk_every == 0
-        chunk = 0 if idle or budget.probe_due() else budget.limit()
-        cycle = (base_ms + chunk * per_token_ms) * rng.uniform(0.95, 1.05)
-        budget.observe(cycle, chunk)
+        chunk = 0 if idle else budget.next_limit().chunk_tokens(ROWS)
+        launch = ROWS + chunk if chunk else 0
+        cycle = (base_ms + (cost(launch) if chunk else 0.0)) * rng.uniform(0.97, 1.03)
+        budget.observe(cycle, launch)
         if chunk:
-            out.append((chunk, cycle))
+            out.append((launch, cycle))
     return out
 
 
-def test_the_chunk_settles_where_a_cycle_takes_the_ratio_of_one_without():
-    budget = ChunkBudget.for_budget(cap=1024, ratio=2.0)
-    assert budget.limit() == 1024   # nothing measured yet: the budget
-    cycles = run(budget, base_ms=10.0, per_token_ms=0.05, steps=200, rng=random.Random(0))
-    # (2 - 1) x 10 ms / 0.05 ms per token = 200 tokens
-    assert 180 <= budget.limit() <= 220, budget
-    settled = [ms for _, ms in cycles[-50:]]
-    assert max(settled) <= 2.0 * 10.0 * 1.1, settled
+def over(cycles, ratio: float, base_ms: float) -> list[float]:
+    """Cycles past the ratio (the noise's 3 % allowed)."""
+    return [ms for _, ms in cycles if ms > ratio * base_ms * 1.03]
 
 
-def test_the_chunk_follows_the_base_when_the_batch_grows():
-    budget, rng = ChunkBudget.for_budget(cap=1024, ratio=1.5), random.Random(1)
-    run(budget, base_ms=10.0, per_token_ms=0.05, steps=200, rng=rng)
-    assert 90 <= budget.limit() <= 110   # 0.5 x 10 / 0.05
-    run(budget, base_ms=30.0, per_token_ms=0.05, steps=200, rng=rng)   # more rows: a longer cycle to hide it in
-    assert 270 <= budget.limit() <= 330
+def test_the_chunk_settles_on_the_largest_launch_within_the_ratio_and_overruns_only_while_learning():
+    budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
+    assert budget.limit() == 512 and budget.next_limit() == ChunkLimit(512, 16)   # nothing measured: the budget
+    cycles = run(budget, base_ms=6.0, steps=400, rng=random.Random(0))
+    # 6 ms may be added: 320 tokens add 5, 384 add 6.5
+    assert budget.limit() == 320, budget
+    assert all(launch <= 320 for launch, _ in cycles[-100:])
+    # the classes tried above the one that fits, once each; a per-token price would swing across the jump for good
+    assert len(over(cycles, 2.0, 6.0)) <= 3, over(cycles, 2.0, 6.0)
+    assert not over(cycles[20:], 2.0, 6.0)
+
+
+def test_the_chunk_follows_the_base_when_the_batch_grows_and_shrinks():
+    budget, rng = ChunkBudget.for_budget(cap=512, ratio=1.5), random.Random(1)
+    run(budget, base_ms=7.0, steps=300, rng=rng)
+    assert budget.limit() == 128   # 3.5 ms may be added: 128 tokens add 3.0, 256 add 3.6
+    cycles = run(budget, base_ms=18.0, steps=300, rng=rng)   # more rows: a longer cycle to hide a chunk in
+    assert budget.limit() == 512 and not over(cycles, 1.5, 18.0)
+    cycles = run(budget, base_ms=7.0, steps=300, rng=rng)    # and back: the classes measured still price it
+    # (a base shrinks as its moving average follows: some cycles overrun the new one meanwhile)
+    assert budget.limit() == 128 and not over(cycles[20:], 1.5, 7.0)
 
 
 def test_a_steady_stream_of_prompts_still_re_measures_the_base():
     """Every cycle could carry a chunk: the base measured when the batch was small would age while it grows, the
     rows' added time charged to the chunks (which would sink to the floor and keep prompts waiting); a probe step
     every probe_every chunk cycles measures it afresh."""
-    budget, rng = ChunkBudget.for_budget(cap=1024, ratio=2.0), random.Random(4)
-    run(budget, base_ms=10.0, per_token_ms=0.05, steps=100, rng=rng)
-    assert 180 <= budget.limit() <= 220
-    chunks = run(budget, base_ms=30.0, per_token_ms=0.05, steps=400, rng=rng, chunk_every=None)
-    assert 540 <= budget.limit() <= 660, budget   # (2 - 1) x 30 / 0.05
+    budget, rng = ChunkBudget.for_budget(cap=512, ratio=2.0), random.Random(4)
+    run(budget, base_ms=6.0, steps=200, rng=rng)
+    assert budget.limit() == 320
+    chunks = run(budget, base_ms=9.0, steps=400, rng=rng, chunk_every=None)
+    assert budget.limit() == 512, budget   # 9 ms may be added now
     probes = 400 - len(chunks)
     assert 400 // (budget.probe_every + 1) - 1 <= probes <= 400 // budget.probe_every, probes
 
 
-def test_a_base_measured_high_leaves_the_cap_and_never_overflows():
-    """Cycles with chunks faster than the base on record (it was measured in a stall): chunks measure as free."""
+def test_a_class_measured_in_a_stall_is_tried_again_once_stale():
+    budget, rng = ChunkBudget.for_budget(cap=512, ratio=2.0), random.Random(5)
+    budget.observe(6.0, 0)
+    budget.observe(60.0, 512)   # a stall charged to the cap's class
+    cycles = run(budget, base_ms=6.0, steps=100, rng=rng)
+    assert budget.limit() == 320 and sum(launch > 320 for launch, _ in cycles) <= 1   # 384, tried once
+    # the device got faster at 512 (say, the stall's cause gone): once stale the class is tried and then used
+    cycles = run(budget, base_ms=6.0, steps=4 * budget.stale_after, rng=rng, cost=lambda n: added(n) / 2)
+    assert budget.limit() == 512 and cycles[-1][0] == 512, budget
+
+
+def test_chunks_measured_as_free_take_the_cap():
+    """Cycles with chunks faster than the base on record (it was measured in a stall)."""
     budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
     budget.observe(100.0, 0)
-    for _ in range(5000):
+    for _ in range(50):
         budget.observe(10.0, 512)
     assert budget.limit() == 512
 
 
 def test_the_cap_and_the_floor_bound_it():
+    budget = ChunkBudget.for_budget(cap=384, ratio=2.0)
+    run(budget, base_ms=60.0, steps=100, rng=random.Random(2))
+    assert budget.limit() == 384 and budget.classes[-1] == 384   # the times would allow any launch
     budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
-    run(budget, base_ms=10.0, per_token_ms=0.001, steps=100, rng=random.Random(2))
-    assert budget.limit() == 512              # the times would allow 10,000 tokens
-    budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
-    run(budget, base_ms=10.0, per_token_ms=5.0, steps=100, rng=random.Random(3))
-    assert budget.limit() == budget.floor == 16   # 2 tokens by the times: prompts still progress
+    run(budget, base_ms=1.0, steps=100, rng=random.Random(3))
+    assert budget.limit() <= ROWS   # a launch of the verify's rows alone: the chunk takes its floor
+    assert budget.next_limit().chunk_tokens(ROWS) == budget.floor == 16
+
+
+@pytest.mark.parametrize("limit, verify_tokens, chunk", [
+    (ChunkLimit(256, 16), 0, 256),     # its own launch
+    (ChunkLimit(256, 16), 128, 128),   # fused with sd's verify of 32 rows x (k + 1)
+    (ChunkLimit(256, 16), 250, 16),    # the verify leaves less than the floor: the floor
+    (ChunkLimit(0, 0), 0, 0),          # a probe step
+])
+def test_a_limit_is_on_the_launch_that_carries_the_chunk(limit, verify_tokens, chunk):
+    assert limit.chunk_tokens(verify_tokens) == chunk
+
+
+def test_small_budgets_still_have_sizes_to_choose_from():
+    assert ChunkBudget.for_budget(cap=13, ratio=2.0).classes == (1, 2, 4, 8, 13)
+    assert ChunkBudget.for_budget(cap=512, ratio=2.0).classes[-4:] == (256, 320, 384, 512)
 
 
 @pytest.mark.parametrize("settings, error", [

@@ -48,7 +48,7 @@ def test_smoke(ray_cluster, tmp_path):
     # second of arrivals per online run: the load is a share of the padded engine's closed capacity (~150 requests/s
     # on an idle CPU), which the chunked and fused engines fall behind, so every second of it costs seconds of drain
     assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "0.5", "--chunk", "16",
-                 "--long-prompts", "2", "--engines", "padded,chunked,fused@1.5", "--out", str(tmp_path)]) == 0
+                 "--long-prompts", "2", "--engines", "padded,chunked,fused@1.5", "--steps", "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
     closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
@@ -75,6 +75,13 @@ def test_smoke(ray_cluster, tmp_path):
     long = [r for r in rows if r["workload"] == "online_long"]
     assert {r["engine"] for r in long} == {"padded", "chunked", "fused@1.5"}
     assert all(r["added_long"] == 2 and r["n_long"] >= 2 and r["gap_quiet_p50_ms"] > 0 for r in long)
+    # --steps: online_long's verifier cycles; the adaptive engine's launches stay within its limit or its floor
+    steps = pq.read_table(tmp_path / "real_traffic_steps.parquet").to_pylist()
+    assert {r["engine"] for r in steps} == {"padded", "chunked", "fused@1.5"}
+    adaptive = [r for r in steps if r["engine"] == "fused@1.5"]
+    assert all(r["chunk_limit"] is not None and 1 <= r["chunk_limit"] <= 16 for r in adaptive)
+    assert any(r["prefill_tokens"] for r in adaptive) and all(r["step_ms"] > 0 for r in steps)
+    assert all(r["chunk_launch_tokens"] >= r["prefill_tokens"] for r in steps)
     md = (tmp_path / "real_traffic.md").read_text()
     assert "`python -m bench.real_traffic --smoke" in md and "lognormal" in md and "seed 0" in md
     assert "prefill prompt tokens/s chunked / padded" in md and "fused" in md

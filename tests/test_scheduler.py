@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 from minedraft_ray.engine.kv_blocks import HEADROOM, NULL_BLOCK
 from minedraft_ray.engine.request import Request, commit_tokens
 from minedraft_ray.engine.sampling import SamplingParams
+from minedraft_ray.runtime.chunk_budget import ChunkLimit
 from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState,
                                              Scheduler, SchedulerConfig, Status, VerifyPlan)
 
@@ -189,9 +190,11 @@ class Driver:
         fused = [v.prefill for v in plan.verifies if v.prefill is not None]
         started = {id(c.state) for p in plan.prefills + fused for c in p.chunks if c.last}
         decoding = decoding or any(id(s) not in started for v in plan.verifies for s in v.rows)
-        check_prefills(self, plan.prefills + fused, decoding)
-        if self.sched.chunk_limit == 0:   # a probe step lasts one call
-            self.sched.chunk_limit = None
+        riding = {id(v.prefill): len(v.rows) * self.sched.verify_width(v.regime)
+                  for v in plan.verifies if v.prefill is not None}
+        check_prefills(self, plan.prefills + fused, decoding, riding)
+        if self.sched.chunk_limit is not None and self.sched.chunk_limit.launch_tokens == 0:
+            self.sched.chunk_limit = None   # a probe step lasts one call
         self.plans.append(self.plan_shape(plan))
         # the manager's order: each prefill (the drafter's chunks behind it), then each verify with the round it
         # takes first and the round drafted behind it after (a fused verify's chunks go to the drafter first)
@@ -332,9 +335,11 @@ def check_round_consistency(sched: Scheduler, verify: VerifyPlan) -> None:
             assert row.state.inflight == (row.verify_row >= 0) + row.state.prefill_tasks
 
 
-def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) -> None:
-    """Each prefill task within the budget, each chunk continuing its prompt where the one before ended;
-    more than one task per step only while nothing decodes, and then only until a prompt is complete."""
+def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool, riding: dict[int, int]) -> None:
+    """Each prefill task within the budget (and the adaptive chunk's: its launch's tokens, the verify's it rides
+    in (`riding`: id -> the verify's tokens) included, or its floor), each chunk continuing its prompt where the one
+    before ended; more than one task per step only while nothing decodes, and then only until a prompt is
+    complete."""
     budget = driver.sched.config.prefill_budget
     for i, prefill in enumerate(prefills):
         assert prefill.chunks and all(c.stop > c.start for c in prefill.chunks)
@@ -344,8 +349,11 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool) 
                 # a request's period spans both batches' verifies: half the budget each (while nothing decodes,
                 # there is no period to bound: the whole budget)
                 assert prefill.num_tokens <= max(1, budget // 2), (prefill.num_tokens, budget)
-            if decoding and driver.sched.chunk_limit is not None:   # the adaptive chunk, while anything decodes
-                assert prefill.num_tokens <= driver.sched.chunk_limit, (prefill.num_tokens, driver.sched.chunk_limit)
+            limit = driver.sched.chunk_limit
+            if decoding and limit is not None:   # the adaptive chunk, while anything decodes
+                verify_tokens = riding.get(id(prefill), 0)
+                assert prefill.num_tokens <= limit.chunk_tokens(verify_tokens), (prefill.num_tokens, limit,
+                                                                                   verify_tokens)
         for c in prefill.chunks:
             assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
                 f"{c.state.id}: chunk gap or overlap"
@@ -482,10 +490,11 @@ EVENTS = st.one_of(
     st.tuples(st.just("drafter_back")),
     st.tuples(st.just("regime"), st.sampled_from(["psd", "seq"]), st.sampled_from(["psd", "seq", "auto"])),
 )
-# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any limit, or none
-# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any limit, or none; 0 is a probe step (no
-# chunk while anything decodes), which the manager holds for one schedule call
-WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), st.sampled_from([None, 0, 1, 2, 3, 5, 100])))
+# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any launch size and floor, or none; a launch
+# of 0 is a probe step (no chunk while anything decodes), which the manager holds for one schedule call
+CHUNK_LIMITS = st.one_of(st.none(), st.just(ChunkLimit(0, 0)),
+                         st.builds(ChunkLimit, st.sampled_from([1, 2, 3, 5, 8, 13, 100]), st.sampled_from([1, 2])))
+WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), CHUNK_LIMITS))
 
 
 @functools.cache

@@ -35,6 +35,7 @@ import torch
 from .attention import DecodeRows, triton_op
 from .kv_blocks import DEFAULT_BLOCK_SIZE, TableEdits
 from .kv_cache import KVCache
+from .launch_buckets import PACKED_GRAPH_TOKENS, token_bucket
 from .model import Transformer
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -49,20 +50,9 @@ TRANSPOSED_WEIGHTS = ("o_proj", "gate_up_proj")
 PREFILL_GRAPH_ROWS = (1, 2, 4)
 PREFILL_GRAPH_LENS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 PREFILL_GRAPH_TOKENS = 1024
-# Graphed packed launches: token counts, a launch padded up to the next one. Up to 256 tokens an 8B launch's time
-# hardly grows with its tokens (weight reads and fixed costs), so doubling steps cost little; above, it grows about
-# linearly with them, so the steps are 64 tokens up to 384 and 128 beyond. No 448: an H200 ran a 448-token launch
-# slower than a 512-token one (its GEMMs' kernel choice), so one pads to 512 instead (docs/design.md)
-PACKED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 320, 384, 512, 640, 768, 896, 1024)
 # a fused launch's static count of row tokens (their attention takes a program per row up to it): doubling steps,
 # a few per token bucket, as the rows' count only picks the attention's layout
 ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
-
-
-def token_bucket(tokens: int, buckets) -> int | None:
-    """The smallest of the ascending `buckets` that holds `tokens` tokens; None past the largest (eager)."""
-    i = bisect.bisect_left(buckets, tokens)
-    return buckets[i] if i < len(buckets) else None
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,10 @@ def build_dashboard() -> Dashboard:
         .with_panel(_timeseries("Prompt tokens prefilled", "short", [
             (f"sum by (replica) (rate(ray_minedraft_prefill_tokens_total{{{SEL}}}[{RATE}]))", "{{replica}}")],
             "prompt tokens per second through the verifier (chunks fused into verifies included)"))
-        .with_panel(_timeseries("Prompt chunk per step", "short", [
+        .with_panel(_timeseries("Prompt chunk launch per step", "short", [
             (f"max by (replica) (ray_minedraft_prompt_chunk_limit_tokens{{{SEL}}})", "{{replica}}")],
-            "prompt tokens a step may carry while requests decode: the budget, or the adaptive chunk "
-            "(chunk_gap_ratio) sized from step times"))
+            "tokens of the launch that carries a step's prompt chunk while requests decode: the budget, or the "
+            "adaptive launch (chunk_gap_ratio) priced from step times"))
 
         .with_row(Row("Batches"))
         .with_panel(_timeseries("Batch sizes", "short", [

@@ -1,67 +1,130 @@
 """The prompt chunk a step may carry while requests decode, sized from the engine's own step times
-(`chunk_gap_ratio`): a verifier cycle with a chunk of n prompt tokens takes about base + n x per_token, and a
-running request waits one cycle per output, so the chunk that keeps its gap within ratio x base is
-(ratio - 1) x base / per_token tokens. Both terms are measured as the engine runs (moving averages over its
-cycles: those without a chunk give the base, those with one the time a chunk's tokens add), so the chunk follows
-the batch's rows, the mode's verify width and the device, where a fixed token budget fits one of them. Bounded
-by the configured budget (prefill_chunk_tokens) above and by a floor below, so prompts always progress.
+(`chunk_gap_ratio`): a running request waits one verifier cycle per output, so a cycle that carries a chunk should
+take at most ratio x one that does not.
+
+What a chunk adds to its cycle is priced per launch class, not per token: a launch is padded to its token
+bucket (the CUDA graph it replays: engine/launch_buckets.py), so its time is a step function of its tokens, with a
+jump where the launch leaves the decode path (a fused launch of 96 tokens costs about what one of 224 does). A
+per-token price learnt from one size misprices the next, and a chunk sized from it swings between a bucket that
+fits and one that does not, the second's cycles overrunning the ratio. So each class keeps its own moving average
+of the time its launches added (the cycle less the base, the moving average of cycles without a chunk), and the
+next chunk's launch is the largest class whose time fits (ratio - 1) x base. A class not yet run is priced as
+the nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and
+known), or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after`
+chunk cycles, since it may have been measured in a stall. Nothing
+measured: the configured budget. The same classes price an unpadded launch (no graphs, the CPU), whose time
+grows smoothly: a coarser grid, not a wrong one.
+
+The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
+scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
+progress whatever the times say.
 
 Under a steady stream of prompts every cycle carries a chunk and the base would age while the batch grows (the
 rows' added time then charged to the chunk, which shrinks it, which keeps prompts waiting, which keeps every
-cycle carrying one): after `probe_every` cycles with chunks, one step carries none (`probe_due`) and measures the
-base afresh.
+cycle carrying one): after `probe_every` cycles with chunks, one step carries none and measures the base afresh.
 
-Pure: the manager feeds it each verify's cycle and the prompt tokens prefilled in it, and hands the scheduler
-`limit()`, or 0 on a probe step (Scheduler.chunk_limit)."""
+Pure: the manager feeds it each verify's cycle and the tokens of the launch that carried its chunk, and hands the
+scheduler `next_limit()` (Scheduler.chunk_limit)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ..engine.launch_buckets import PACKED_GRAPH_TOKENS, token_bucket
+
+# below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
+LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
+
+
+@dataclass(frozen=True)
+class ChunkLimit:
+    """What the next step's prompt chunk may take while requests decode."""
+    launch_tokens: int    # the launch that carries it holds at most these (fused: with the verify's); 0: no chunk
+    floor: int            # prompt tokens it may take whatever the launch holds (prompts progress)
+
+    def chunk_tokens(self, verify_tokens: int) -> int:
+        """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch)."""
+        if self.launch_tokens == 0:
+            return 0
+        return max(self.floor, self.launch_tokens - verify_tokens)
+
+
+@dataclass
+class ClassCost:
+    added_ms: float       # moving average of what a chunk's launch of this class added to its cycle
+    seen_at: int          # the chunk cycle that last ran one
 
 
 @dataclass
 class ChunkBudget:
-    cap: int                            # prompt tokens per step at most (the configured budget)
+    cap: int                            # launch tokens at most (the configured budget, prefill_chunk_tokens)
     ratio: float                        # a cycle with a chunk takes at most this many times one without
-    floor: int                          # prompt tokens per step at least, whatever the times say
+    floor: int                          # prompt tokens per chunk at least, whatever the times say
+    classes: tuple[int, ...]            # launch sizes priced alike (the token buckets up to the cap), ascending
     smoothing: float = 0.2              # weight of the newest cycle in the moving averages
     probe_every: int = 16               # cycles with chunks before one without re-measures the base
+    stale_after: int = 1024             # chunk cycles after which a class's price is estimated again
     base_ms: float | None = None        # a verifier cycle without a prompt chunk
-    extra_ms: float | None = None       # what a chunk added to its cycle (signed: noise averages out)
-    chunk_tokens: float | None = None   # the prompt tokens of those chunks
+    costs: dict[int, ClassCost] = field(default_factory=dict)
+    chunk_cycles: int = 0               # cycles with chunks, all told
     since_base: int = 0                 # cycles with chunks since the last one without
 
     @classmethod
-    def for_budget(cls, cap: int, ratio: float) -> ChunkBudget:
-        return cls(cap, ratio, floor=max(1, cap // 32))
+    def for_budget(cls, cap: int, ratio: float, buckets: tuple[int, ...] = LAUNCH_CLASSES) -> ChunkBudget:
+        return cls(cap, ratio, floor=max(1, cap // 32), classes=tuple(b for b in buckets if b < cap) + (cap,))
 
-    def observe(self, cycle_ms: float, prompt_tokens: int) -> None:
-        """One verifier cycle (the end of the previous verify to the end of this one) and the prompt tokens
-        prefilled in it (a chunk fused into the verify, or prefill launches before it)."""
-        if prompt_tokens == 0:
+    def launch_class(self, launch_tokens: int) -> int:
+        return token_bucket(launch_tokens, self.classes) or self.cap
+
+    def observe(self, cycle_ms: float, launch_tokens: int) -> None:
+        """One verifier cycle (the end of the previous verify to the end of this one) and the tokens of the launch
+        that carried its prompt chunk (0: none)."""
+        if launch_tokens == 0:
             self.base_ms = self._average(self.base_ms, cycle_ms)
             self.since_base = 0
             return
         self.since_base += 1
+        self.chunk_cycles += 1
         if self.base_ms is not None:
-            # averages of the added time and of the tokens, not of their ratio: a small chunk's few tokens
-            # would otherwise weigh its cycle's noise as much as a full chunk's
-            self.extra_ms = self._average(self.extra_ms, cycle_ms - self.base_ms)
-            self.chunk_tokens = self._average(self.chunk_tokens, prompt_tokens)
+            c = self.launch_class(launch_tokens)
+            known = self.costs.get(c)
+            # signed: a chunk measured as free (a base taken in a stall) averages out rather than being dropped
+            added = cycle_ms - self.base_ms
+            fresh = known is None or self._stale(known)
+            self.costs[c] = ClassCost(added if fresh else self._average(known.added_ms, added), self.chunk_cycles)
 
-    def probe_due(self) -> bool:
-        """The next step should carry no chunk: the base is `probe_every` chunk cycles old (or never measured)."""
-        return self.since_base >= self.probe_every
+    def next_limit(self) -> ChunkLimit:
+        """The next step's: none on a probe step (the base is `probe_every` chunk cycles old), else `limit()`."""
+        if self.since_base >= self.probe_every:
+            return ChunkLimit(0, 0)
+        return ChunkLimit(self.limit(), self.floor)
 
     def limit(self) -> int:
-        """Prompt tokens the next step's chunk may hold while requests decode (the cap until both terms are
-        measured, and while chunks measure as free)."""
-        if self.base_ms is None or self.extra_ms is None or not self.chunk_tokens:
+        """Launch tokens the next chunk's launch may hold: the largest class whose added time fits the ratio (the
+        smallest where none does; the cap until a base is measured)."""
+        if self.base_ms is None:
             return self.cap
         allowed_ms = (self.ratio - 1.0) * self.base_ms
-        if self.extra_ms * self.cap <= allowed_ms * self.chunk_tokens:   # per token <= allowed / cap: the cap fits
-            return self.cap
-        per_token = self.extra_ms / self.chunk_tokens
-        return max(self.floor, min(self.cap, int(allowed_ms / per_token)))
+        for c in reversed(self.classes):
+            estimate = self.estimate(c)
+            if estimate is None or estimate <= allowed_ms:
+                return c
+        return self.classes[0]
+
+    def estimate(self, c: int) -> float | None:
+        """What a launch of class c adds: measured, or else the nearest fresh class below's (optimistic, as a
+        launch costs no less for holding more: the class is then tried and known), or else the nearest above's
+        scaled down in proportion to its tokens; None: nothing measured."""
+        known = {k: v.added_ms for k, v in self.costs.items() if not self._stale(v)}
+        if c in known:
+            return known[c]
+        below = max((k for k in known if k < c), default=None)
+        if below is not None:
+            return known[below]
+        above = min((k for k in known if k > c), default=None)
+        return known[above] * c / above if above is not None else None
+
+    def _stale(self, cost: ClassCost) -> bool:
+        return self.chunk_cycles - cost.seen_at >= self.stale_after
 
     def _average(self, mean: float | None, value: float) -> float:
         return value if mean is None else mean + self.smoothing * (value - mean)

@@ -529,9 +529,12 @@ class BatchManager:
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
         prompt_tokens, self._prefill_tokens = self._prefill_tokens, 0   # this cycle's prefill launches
+        record.chunk_launch_tokens = prompt_tokens   # the prefill launches before it, if any
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
             prompt_tokens += verify.prefill.num_tokens
+            record.chunk_launch_tokens += verify.prefill.num_tokens + \
+                len(verify.rows) * self.sched.verify_width(verify.regime)
             self.metrics.on_prefill(verify.prefill.num_tokens)
         record.prefill_tokens = prompt_tokens
         lengths = list(map(len, result.tokens))
@@ -589,9 +592,9 @@ class BatchManager:
         record.step_ms = (result.t_end - max(self._last_end, task.submitted_wall)) * 1e3
         self._observe_cadence(verify, record, result.t_end)
         if self.chunk_budget is not None:   # this cycle sizes the chunks of the steps after the one just planned
-            self.chunk_budget.observe(record.step_ms, record.prefill_tokens)
-            record.chunk_limit = self.chunk_budget.limit()
-            s.chunk_limit = 0 if self.chunk_budget.probe_due() else record.chunk_limit   # 0: a step without one
+            self.chunk_budget.observe(record.step_ms, record.chunk_launch_tokens)
+            s.chunk_limit = self.chunk_budget.next_limit()
+            record.chunk_limit = self.chunk_budget.limit()   # a probe step's too (it plans no chunk)
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = result.t_end

@@ -39,8 +39,9 @@ first token is sampled in that launch); it rides the next one. Where the verify 
 is its own task, as without fusion, so that prompts still progress.
 
 An adaptive chunk (`chunk_limit`, set by the manager from measured step times: runtime/chunk_budget.py) bounds a
-step's chunk further while anything decodes (0: none, a step that measures the time without one); everything
-above holds at any limit, as at any budget.
+step's chunk further while anything decodes: the tokens of the launch that carries it (fused: less the verify's
+tokens, down to a floor), or none (a step that measures the time without one); everything above holds at any
+limit, as at any budget.
 
 KV blocks: the scheduler hands out both models' KV blocks (one `PlannedBlocks` pool per model, in this process) and
 the workers only apply its table changes, sent with their next task (`take_edits`): a worker runs its tasks in
@@ -63,6 +64,7 @@ from dataclasses import dataclass, field
 
 from ..engine.kv_blocks import HEADROOM, BlockManager, SlotAllocator, TableEdits
 from ..engine.request import Request
+from .chunk_budget import ChunkLimit
 from .regime import RegimeChooser
 
 
@@ -320,7 +322,7 @@ class Scheduler:
         self.queued = [0, 0]
         # prompt tokens a step's chunk may hold while anything decodes, below the budget's share (None: the
         # budget alone); the manager sets it from measured step times (runtime/chunk_budget.py)
-        self.chunk_limit: int | None = None
+        self.chunk_limit: ChunkLimit | None = None
         self.draft_ahead: list[DraftPlan | None] = [None, None]
         self.drafter_alive = self.mode in ("sd_split", "psd")
         self.drafter_generation = 0
@@ -862,7 +864,7 @@ class Scheduler:
         if room > verify_tokens:
             room -= verify_tokens
         if decoding and self.chunk_limit is not None and self.config.prefill_budget:
-            room = min(room, self.chunk_limit)
+            room = min(room, self.chunk_limit.chunk_tokens(verify_tokens))
         shares = self._prefill_shares(pending, room, mine)
         chunks = []
         for s in pending:
