@@ -198,7 +198,8 @@ def step_trace(records, mode: str, engine: str, workload: str) -> list[dict]:
     """--steps: a run's verifier cycles, to tell what made its long gaps (a chunk's launch, or something else)."""
     return [{"mode": mode, "engine": engine, "workload": workload, "step": i, "t_emit": r.t_emit,
              "step_ms": r.step_ms, "t_verify_ms": r.t_verify_ms, "t_prefill_ms": r.t_prefill_ms, "rows": r.verified,
-             "prefill_tokens": r.prefill_tokens, "chunk_launch_tokens": r.chunk_launch_tokens,
+             "prefill_tokens": r.prefill_tokens, "prefill_launches": len(r.prefill_launches),
+             "launch_tokens": max(r.prefill_launches, default=0),
              "chunk_limit": r.chunk_limit, "host_ms": r.host_ms, "launch_gap_ms": r.launch_gap_ms}
             for i, r in enumerate(records)]
 

@@ -16,7 +16,6 @@ import ray
 from minedraft_ray.engine.engine import Engine
 from minedraft_ray.engine.sampling import SamplingParams
 from minedraft_ray.runtime import LLM
-from minedraft_ray.runtime.chunk_budget import ChunkBudget
 from minedraft_ray.testing.workers import faulty_drafter
 from engines import TINY_PSD, TINY_SD
 from runtime_common import reconfigure_when_idle
@@ -152,10 +151,9 @@ def test_the_adaptive_chunk_is_sized_from_the_engines_step_times(ray_cluster, ti
         limits = [r.chunk_limit for r in records]
         assert all(limit is not None for limit in limits) and all(r.chunk_limit is None for r in fixed_records)
         settled_limits = limits[len(limits) // 2:]
-        # launch classes below the budget (a stall measured as a chunkless cycle may lift a few to the cap); a
-        # class below the verify's rows leaves the chunk its floor
+        # launches below the budget (a stall measured as a chunkless cycle may lift a few to the cap); one below
+        # the verify's rows leaves the chunk its floor
         assert statistics.median(settled_limits) < 64, limits
-        assert set(limits) <= set(ChunkBudget.for_budget(64, 1.5).classes), limits
         assert chunk(records) < chunk(fixed_records), (chunk(records), chunk(fixed_records))
         print(f"step with a chunk / without: fixed 64 tokens {step_ratio(fixed_records):.2f}, adaptive (ratio 1.5) "
               f"{step_ratio(records):.2f}; limits {settled_limits}")

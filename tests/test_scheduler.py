@@ -646,6 +646,35 @@ def test_chunks_ride_inside_verifies_while_requests_decode(mode):
     assert fused_verifies(1) == 0
 
 
+def chunk_sizes(limit: ChunkLimit | None) -> list[int]:
+    """sd, fused, budget 16: eight requests decode, whose verify (8 rows x (k + 1) tokens) fills the budget, so a
+    30-token prompt's chunks go as tasks of their own -> their sizes, under `limit`."""
+    driver = Driver(make_scheduler("sd", 9, 1, budget=16, fuse=True, max_len=40))
+    emit = lambda num_drafts: [7] * (num_drafts + 1)   # noqa: E731
+    for _ in range(8):
+        driver.arrive(3, 34, False)
+    for _ in range(6):
+        driver.complete(emit)
+    driver.sched.chunk_limit = limit
+    driver.arrive(30, 2, False)
+    sizes, seen = [], set()
+    while not driver.states[-1].request.output_ids:
+        for task in driver.inflight:
+            if id(task) not in seen and isinstance(task, PrefillPlan):
+                sizes.append(task.num_tokens)
+            seen.add(id(task))
+        driver.complete(emit)
+    return sizes
+
+
+def test_an_adaptive_limit_on_a_chunk_of_its_own_leaves_out_no_verify():
+    """The limit is on the launch that carries the chunk: the verify's tokens come off it only where the chunk rides
+    in the verify's launch. A chunk of its own (the verify fills the budget) keeps the whole limit; it took the
+    floor when they came off it anyway (a cold review found it)."""
+    assert chunk_sizes(None) == chunk_sizes(ChunkLimit(16, 1)) == [16, 14]
+    assert chunk_sizes(ChunkLimit(8, 1)) == [8, 8, 8, 6]
+
+
 def prefill_waits(order: PrefillOrder, shorts: int, short_len: int, every_step: bool) -> list[int]:
     """ar, fused, budget 16, one request decoding: a 150-token prompt is admitted, then `shorts` prompts of
     `short_len` tokens (all with the long one's first chunk in flight, or one per step) -> the schedule calls from

@@ -4,16 +4,17 @@ take at most ratio x one that does not.
 
 What a chunk adds to its cycle is priced per launch class, not per token: a launch is padded to its token
 bucket (the CUDA graph it replays: engine/launch_buckets.py), so its time is a step function of its tokens, with a
-jump where the launch leaves the decode path (a fused launch of 96 tokens costs about what one of 224 does). A
-per-token price learnt from one size misprices the next, and a chunk sized from it swings between a bucket that
-fits and one that does not, the second's cycles overrunning the ratio. So each class keeps its own moving average
-of the time its launches added (the cycle less the base, the moving average of cycles without a chunk), and the
-next chunk's launch is the largest class whose time fits (ratio - 1) x base. A class not yet run is priced as
-the nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and
-known), or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after`
-chunk cycles, since it may have been measured in a stall. Nothing
-measured: the configured budget. The same classes price an unpadded launch (no graphs, the CPU), whose time
-grows smoothly: a coarser grid, not a wrong one.
+jump where the launch leaves the decode path (on an H200 a fused launch padded to 128 tokens costs nearly what one
+padded to 256 does). A per-token price learnt from one size misprices the next, and a chunk sized from it swings
+between a bucket that fits and one that does not, the second's cycles overrunning the ratio. So each class keeps
+its own moving average of the time its launches added (the cycle less the base, the moving average of cycles
+without a chunk; fed the median of its last few, so one stalled cycle does not reprice a class in use), and the
+next chunk's launch is the largest class whose time fits (ratio - 1) x base. A class not yet run is priced as the
+nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and known),
+or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after` chunk
+cycles, since it may have been measured in a stall or at another batch: the class above the one in use is tried
+again about that often. Nothing measured: the configured budget. The same classes price an unpadded launch (no
+graphs, the CPU), whose time grows smoothly: a coarser grid, not a wrong one.
 
 The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
@@ -23,14 +24,17 @@ Under a steady stream of prompts every cycle carries a chunk and the base would 
 rows' added time then charged to the chunk, which shrinks it, which keeps prompts waiting, which keeps every
 cycle carrying one): after `probe_every` cycles with chunks, one step carries none and measures the base afresh.
 
-Pure: the manager feeds it each verify's cycle and the tokens of the launch that carried its chunk, and hands the
+Pure: the manager feeds it each verify's cycle and the launches in it that carried prompt tokens, and hands the
 scheduler `next_limit()` (Scheduler.chunk_limit)."""
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..engine.launch_buckets import PACKED_GRAPH_TOKENS, token_bucket
 
+RECENT = 3   # a class's last cycles whose median feeds its moving average
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
 
@@ -50,8 +54,10 @@ class ChunkLimit:
 
 @dataclass
 class ClassCost:
-    added_ms: float       # moving average of what a chunk's launch of this class added to its cycle
-    seen_at: int          # the chunk cycle that last ran one
+    added_ms: float              # moving average of what a chunk's launch of this class added to its cycle
+    seen_at: int                 # the chunk cycle that last ran one
+    recent: tuple[float, ...]    # the last few of those times: the average takes their median, so one cycle
+                                 # stalled by something else does not reprice a class in use
 
 
 @dataclass
@@ -62,7 +68,7 @@ class ChunkBudget:
     classes: tuple[int, ...]            # launch sizes priced alike (the token buckets up to the cap), ascending
     smoothing: float = 0.2              # weight of the newest cycle in the moving averages
     probe_every: int = 16               # cycles with chunks before one without re-measures the base
-    stale_after: int = 1024             # chunk cycles after which a class's price is estimated again
+    stale_after: int = 256              # chunk cycles after which a class's price is estimated again
     base_ms: float | None = None        # a verifier cycle without a prompt chunk
     costs: dict[int, ClassCost] = field(default_factory=dict)
     chunk_cycles: int = 0               # cycles with chunks, all told
@@ -72,25 +78,29 @@ class ChunkBudget:
     def for_budget(cls, cap: int, ratio: float, buckets: tuple[int, ...] = LAUNCH_CLASSES) -> ChunkBudget:
         return cls(cap, ratio, floor=max(1, cap // 32), classes=tuple(b for b in buckets if b < cap) + (cap,))
 
-    def launch_class(self, launch_tokens: int) -> int:
-        return token_bucket(launch_tokens, self.classes) or self.cap
-
-    def observe(self, cycle_ms: float, launch_tokens: int) -> None:
-        """One verifier cycle (the end of the previous verify to the end of this one) and the tokens of the launch
-        that carried its prompt chunk (0: none)."""
-        if launch_tokens == 0:
+    def observe(self, cycle_ms: float, launches: Sequence[int]) -> None:
+        """One verifier cycle (the end of the previous verify to the end of this one) and the tokens of each launch
+        in it that carried prompt tokens (a fused one's with its verify's). A cycle of several (prompts admitted
+        back to back while nothing decoded, or a chunk of its own beside a fused one) has no one class to charge:
+        it counts for nothing."""
+        if not launches:
             self.base_ms = self._average(self.base_ms, cycle_ms)
             self.since_base = 0
             return
         self.since_base += 1
         self.chunk_cycles += 1
-        if self.base_ms is not None:
-            c = self.launch_class(launch_tokens)
-            known = self.costs.get(c)
-            # signed: a chunk measured as free (a base taken in a stall) averages out rather than being dropped
-            added = cycle_ms - self.base_ms
-            fresh = known is None or self._stale(known)
-            self.costs[c] = ClassCost(added if fresh else self._average(known.added_ms, added), self.chunk_cycles)
+        if self.base_ms is None or len(launches) > 1 or launches[0] > self.cap:
+            return
+        c = token_bucket(launches[0], self.classes)
+        # signed: a chunk measured as free (a base taken in a stall) averages out rather than being dropped
+        added = cycle_ms - self.base_ms
+        known = self.costs.get(c)
+        if known is None or self._stale(known):
+            self.costs[c] = ClassCost(added, self.chunk_cycles, (added,))
+        else:
+            recent = (*known.recent, added)[-RECENT:]
+            self.costs[c] = ClassCost(self._average(known.added_ms, statistics.median(recent)), self.chunk_cycles,
+                                      recent)
 
     def next_limit(self) -> ChunkLimit:
         """The next step's: none on a probe step (the base is `probe_every` chunk cycles old), else `limit()`."""

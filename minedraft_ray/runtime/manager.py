@@ -150,7 +150,7 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
-        self._prefill_tokens = 0                       # prompt tokens of those prefill launches
+        self._prefill_launches: list[int] = []         # prompt tokens of each of those prefill launches
         self.chunk_budget = self._chunk_budget(config)
         self._joined = 0                               # first tokens from prefills, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
@@ -383,7 +383,8 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
-                "chunk_gap_ratio": self.config.chunk_gap_ratio, "chunk_limit": s.chunk_limit,
+                "chunk_gap_ratio": self.config.chunk_gap_ratio,
+                "chunk_limit": s.chunk_limit.launch_tokens if s.chunk_limit is not None else None,
                 "fused_prefill": s.config.fuse_prefill, "prefill_order": s.config.prefill_order.value,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
                 "drafter_alive": s.drafter_alive, "dead": self.dead, "transport": self.channel.name,
@@ -446,7 +447,7 @@ class BatchManager:
                 else:
                     # idle: prefills that no verify followed (requests that ended at their first token) are no
                     # part of the next verify's cycle, which starts at its submission
-                    self._prefill_ms, self._prefill_tokens = 0.0, 0
+                    self._prefill_ms, self._prefill_launches = 0.0, []
                     self._wake.clear()
                     await self._wake.wait()
             except EngineDeadError as e:
@@ -505,7 +506,7 @@ class BatchManager:
         if isinstance(task.plan, PrefillPlan):
             self._prefills_done += 1
             self._prefill_ms += result.device_ms
-            self._prefill_tokens += task.plan.num_tokens
+            self._prefill_launches.append(task.plan.num_tokens)
             self.metrics.on_prefill(task.plan.num_tokens)
             self._commit_prefill(task.plan, result)
             return
@@ -528,15 +529,14 @@ class BatchManager:
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
-        prompt_tokens, self._prefill_tokens = self._prefill_tokens, 0   # this cycle's prefill launches
-        record.chunk_launch_tokens = prompt_tokens   # the prefill launches before it, if any
+        record.prefill_launches, self._prefill_launches = self._prefill_launches, []   # this cycle's, before it
+        record.prefill_tokens = sum(record.prefill_launches)
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
-            prompt_tokens += verify.prefill.num_tokens
-            record.chunk_launch_tokens += verify.prefill.num_tokens + \
-                len(verify.rows) * self.sched.verify_width(verify.regime)
+            record.prefill_tokens += verify.prefill.num_tokens
+            record.prefill_launches.append(verify.prefill.num_tokens +
+                                           len(verify.rows) * self.sched.verify_width(verify.regime))
             self.metrics.on_prefill(verify.prefill.num_tokens)
-        record.prefill_tokens = prompt_tokens
         lengths = list(map(len, result.tokens))
         record.emitted = sum(lengths)
         record.draft_tokens = k * drafted
@@ -592,9 +592,10 @@ class BatchManager:
         record.step_ms = (result.t_end - max(self._last_end, task.submitted_wall)) * 1e3
         self._observe_cadence(verify, record, result.t_end)
         if self.chunk_budget is not None:   # this cycle sizes the chunks of the steps after the one just planned
-            self.chunk_budget.observe(record.step_ms, record.chunk_launch_tokens)
+            self.chunk_budget.observe(record.step_ms, record.prefill_launches)
             s.chunk_limit = self.chunk_budget.next_limit()
-            record.chunk_limit = self.chunk_budget.limit()   # a probe step's too (it plans no chunk)
+            # a probe step's too (it plans no chunk); psd's split halves the budget, and so what may run
+            record.chunk_limit = min(self.chunk_budget.limit(), s.launch_budget())
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = result.t_end

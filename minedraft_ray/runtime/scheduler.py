@@ -861,10 +861,11 @@ class Scheduler:
             mine = {id(s) for s in self.batches[committed]}
             pending.sort(key=lambda s: id(s) not in mine)   # stable: admission order within each group
         room = self.launch_budget(decoding) or sum(s.prefill_len - s.prompt_planned for s in pending)
-        if room > verify_tokens:
+        rides = 0 < verify_tokens < room   # the budget leaves the verify's launch room for a chunk
+        if rides:
             room -= verify_tokens
         if decoding and self.chunk_limit is not None and self.config.prefill_budget:
-            room = min(room, self.chunk_limit.chunk_tokens(verify_tokens))
+            room = min(room, self.chunk_limit.chunk_tokens(verify_tokens if rides else 0))
         shares = self._prefill_shares(pending, room, mine)
         chunks = []
         for s in pending:
