@@ -330,13 +330,23 @@ def merge_runs(out: Path, runs: list[Path], args) -> list[dict]:
 
     results = out / f"{NAME}.parquet"
     rows = pq.read_table(results).to_pylist() if results.exists() else []
+    steps_path = out / f"{NAME}_steps.parquet"
+    steps = pq.read_table(steps_path).to_pylist() if steps_path.exists() else []
     for run in runs:
         rows = merge_by_config(rows, pq.read_table(run).to_pylist(), MERGE_KEY)
+        if (run.parent / steps_path.name).exists():   # its --steps: replace those of the same mode and engine
+            new = pq.read_table(run.parent / steps_path.name).to_pylist()
+            replaced = {(r["mode"], r["engine"]) for r in new}
+            steps = [r for r in steps if (r["mode"], r["engine"]) not in replaced] + new
     # one setting per mode: a CPU smoke run, another batch or k would otherwise replace rows it cannot compare with
     for mode in {r["mode"] for r in rows}:
         settings = {(r["device"], r["max_batch"], r["k"], r["alpha"]) for r in rows if r["mode"] == mode}
         if len(settings) > 1:
             raise SystemExit(f"{mode}: rows of different device, max_batch, k or alpha would mix: {sorted(settings)}")
+    if steps:
+        import pyarrow as pa
+
+        pq.write_table(pa.Table.from_pylist(steps), steps_path)
     write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args)
     return rows
 
@@ -456,9 +466,42 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
     if len(commands) > 1:   # merged runs
         notes.append("Rows from: " + "; ".join(f"`{c}` at {sha}" for c, sha in commands))
     notes += ratios(rows)
+    steps_path = out / f"{NAME}_steps.parquet"
+    if steps_path.exists():
+        import pyarrow.parquet as pq
+
+        notes += step_notes(pq.read_table(steps_path).to_pylist())
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
                          "launches) vs the padded engine",
                          rows[0]["command"] if rows else "", rows[0]["device"] if rows else "", notes, TABLE)
+
+
+def step_notes(steps: list[dict]) -> list[str]:
+    """--steps (real_traffic_steps.parquet): online_long's verifier cycles with a prompt chunk against those
+    without, and by the class of the launch that carried the chunk (runtime/chunk_budget.py's classes)."""
+    from minedraft_ray.engine.launch_buckets import token_bucket
+    from minedraft_ray.runtime.chunk_budget import LAUNCH_CLASSES
+
+    lines = []
+    for mode, engine in dict.fromkeys((r["mode"], r["engine"]) for r in steps):
+        mine = [r for r in steps if (r["mode"], r["engine"]) == (mode, engine)]
+        chunk = [r["step_ms"] for r in mine if r["prefill_tokens"]]
+        plain = [r["step_ms"] for r in mine if not r["prefill_tokens"]]
+        if not chunk or not plain:
+            continue
+        line = (f"{mode} {engine}, online_long's cycles (steps parquet): {len(chunk)} with a prompt chunk, P50/P99 "
+                f"{fmt(percentile(chunk, 50))}/{fmt(percentile(chunk, 99))} ms, against {len(plain)} without, "
+                f"P50/P99 {fmt(percentile(plain, 50))}/{fmt(percentile(plain, 99))} ms")
+        classes: dict[int, list[float]] = {}
+        for r in mine:
+            if r["prefill_launches"] == 1 and r["launch_tokens"] <= LAUNCH_CLASSES[-1]:
+                classes.setdefault(token_bucket(r["launch_tokens"], LAUNCH_CLASSES), []).append(r["step_ms"])
+        if classes and any(r["chunk_limit"] is not None for r in mine):   # adaptive: what each class it ran cost
+            line += "; by launch class (tokens: cycles, P50/P99 ms) " + ", ".join(
+                f"{c}: {len(ms)}, {fmt(percentile(ms, 50))}/{fmt(percentile(ms, 99))}"
+                for c, ms in sorted(classes.items()))
+        lines.append(line)
+    return lines
 
 
 def ratios(rows: list[dict]) -> list[str]:

@@ -2,6 +2,7 @@
 the session's Ray cluster): both engines in both modes, the files written with the command, the workload's
 parameters and the target ratios."""
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -105,17 +106,28 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     old = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
     closed = next(r for r in old if (r["mode"], r["engine"], r["workload"]) == ("ar", "padded", "closed"))
     run = [{**closed, "tokens_per_s": 1.0, "command": "python -m bench.real_traffic --run-a", "git_sha": "aaaaaaa"},
-           {**closed, "engine": "fused:512@2", "tokens_per_s": 2.0, "chunk_gap_ratio": 2.0,
+           {**closed, "engine": "fused:384@1.5", "tokens_per_s": 2.0, "chunk_gap_ratio": 1.5,
             "command": "python -m bench.real_traffic --run-a", "git_sha": "aaaaaaa"}]
     write_results(run, tmp_path / "run", NAME, COLUMNS, "run", run[0]["command"], run[0]["device"])
+    # its --steps: two cycles of the adaptive engine, one with a chunk in a 300-token launch (class 320)
+    steps = [{"mode": "ar", "engine": "fused:384@1.5", "workload": "online_long", "step": i, "step_ms": ms,
+              "prefill_tokens": tokens, "prefill_launches": int(tokens > 0), "launch_tokens": launch,
+              "chunk_limit": 320} for i, (ms, tokens, launch) in enumerate([(6.0, 0, 0), (11.0, 280, 300)])]
+    pq.write_table(pa.Table.from_pylist(steps), tmp_path / "run" / f"{NAME}_steps.parquet")
     assert main(["--merge", str(tmp_path / "run" / f"{NAME}.parquet"), "--out", str(tmp_path)]) == 0
     rows = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
     assert len(rows) == len(old) + 1
     by = {(r["mode"], r["engine"], r["workload"], r["load"]): r for r in rows}
     assert by["ar", "padded", "closed", None]["tokens_per_s"] == 1.0
-    assert by["ar", "fused:512@2", "closed", None]["chunk_gap_ratio"] == 2.0
+    assert by["ar", "fused:384@1.5", "closed", None]["chunk_gap_ratio"] == 1.5
     md = (tmp_path / f"{NAME}.md").read_text()
-    assert "Rows from: " in md and "--run-a` at aaaaaaa" in md and "closed tok/s fused:512@2 / padded = 2.00" in md
+    assert "Rows from: " in md and "--run-a` at aaaaaaa" in md and "closed tok/s fused:384@1.5 / padded = 2.00" in md
+    # the run's steps are merged beside the results' and described
+    merged_steps = pq.read_table(tmp_path / f"{NAME}_steps.parquet").to_pylist()
+    assert [r["step_ms"] for r in merged_steps if r["engine"] == "fused:384@1.5"] == [6.0, 11.0]
+    assert ("ar fused:384@1.5, online_long's cycles (steps parquet): 1 with a prompt chunk, P50/P99 11.0/11.0 ms, "
+            "against 1 without, P50/P99 6.00/6.00 ms; by launch class (tokens: cycles, P50/P99 ms) 320: 1, "
+            "11.0/11.0") in md
     # a later run wins; a run on another device (or batch, k, alpha) is refused, the results untouched
     later = [{**run[0], "tokens_per_s": 3.0, "command": "python -m bench.real_traffic --run-b"}]
     write_results(later, tmp_path / "later", NAME, COLUMNS, "run", later[0]["command"], later[0]["device"])
