@@ -6,9 +6,9 @@ What a chunk adds to its cycle is priced per launch class, not per token: a laun
 bucket (the CUDA graph it replays: engine/launch_buckets.py), so its time is a step function of its tokens, with a
 jump where the launch leaves the decode path (on an H200 a fused launch padded to 128 tokens costs nearly what one
 padded to 256 does). A per-token price learnt from one size misprices the next, and a chunk sized from it swings
-between a bucket that fits and one that does not, the second's cycles overrunning the ratio. So each class keeps
-its own moving average of the time its launches added (the cycle less the base, the moving average of cycles
-without a chunk; fed the median of its last few, so one stalled cycle does not reprice a class in use), and the
+between a bucket that fits and one that does not, the second's cycles overrunning the ratio. So each class is priced
+by the time its last few launches added (the cycle less the base, the moving average of cycles without a chunk;
+their median, so one stalled cycle does not reprice a class in use, and a rising cost is followed closely), and the
 next chunk's launch is the largest class whose time fits (ratio - 1) x base. A class not yet run is priced as the
 nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and known),
 or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after` chunk
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..engine.launch_buckets import PACKED_GRAPH_TOKENS, token_bucket
 
-RECENT = 3   # a class's last cycles whose median feeds its moving average
+RECENT = 3   # a class's last cycles, whose median prices it
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
 
@@ -54,10 +54,14 @@ class ChunkLimit:
 
 @dataclass
 class ClassCost:
-    added_ms: float              # moving average of what a chunk's launch of this class added to its cycle
+    recent: tuple[float, ...]    # what the last few of this class's launches added to their cycles
     seen_at: int                 # the chunk cycle that last ran one
-    recent: tuple[float, ...]    # the last few of those times: the average takes their median, so one cycle
-                                 # stalled by something else does not reprice a class in use
+
+    @property
+    def added_ms(self) -> float:
+        """Their median: one cycle stalled by something else does not reprice the class, and a cost that keeps
+        rising (a chunk deep in a long prompt attends to more keys each step) is followed a cycle behind."""
+        return statistics.median(self.recent)
 
 
 @dataclass
@@ -66,7 +70,7 @@ class ChunkBudget:
     ratio: float                        # a cycle with a chunk takes at most this many times one without
     floor: int                          # prompt tokens per chunk at least, whatever the times say
     classes: tuple[int, ...]            # launch sizes priced alike (the token buckets up to the cap), ascending
-    smoothing: float = 0.2              # weight of the newest cycle in the moving averages
+    smoothing: float = 0.5              # weight of the newest cycle in the base's moving average
     probe_every: int = 16               # cycles with chunks before one without re-measures the base
     stale_after: int = 256              # chunk cycles after which a class's price is estimated again
     base_ms: float | None = None        # a verifier cycle without a prompt chunk
@@ -95,12 +99,8 @@ class ChunkBudget:
         # signed: a chunk measured as free (a base taken in a stall) averages out rather than being dropped
         added = cycle_ms - self.base_ms
         known = self.costs.get(c)
-        if known is None or self._stale(known):
-            self.costs[c] = ClassCost(added, self.chunk_cycles, (added,))
-        else:
-            recent = (*known.recent, added)[-RECENT:]
-            self.costs[c] = ClassCost(self._average(known.added_ms, statistics.median(recent)), self.chunk_cycles,
-                                      recent)
+        recent = (added,) if known is None or self._stale(known) else (*known.recent, added)[-RECENT:]
+        self.costs[c] = ClassCost(recent, self.chunk_cycles)
 
     def next_limit(self) -> ChunkLimit:
         """The next step's: none on a probe step (the base is `probe_every` chunk cycles old), else `limit()`."""
