@@ -323,6 +323,41 @@ def plot_real_traffic(parquet, png) -> Path:
     return Path(png)
 
 
+def plot_real_traffic_steps(parquet, png) -> Path:
+    """A panel per mode and engine: each verifier cycle of online_long in step order, those carrying a prompt chunk
+    coloured by the token bucket of the launch that carried it, those without in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minedraft_ray.engine.launch_buckets import token_bucket
+    from minedraft_ray.runtime.chunk_budget import LAUNCH_CLASSES
+
+    rows = read_rows(parquet)
+    runs = list(dict.fromkeys((r["mode"], r["engine"]) for r in rows))
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.2 * len(runs)), squeeze=False)
+    for ax, (mode, engine) in zip(axes[:, 0], runs):
+        mine = [r for r in rows if (r["mode"], r["engine"]) == (mode, engine)]
+        plain = [r for r in mine if not r["prefill_tokens"]]
+        ax.scatter([r["step"] for r in plain], [r["step_ms"] for r in plain], s=3, color="0.6", label="no chunk")
+        past = LAUNCH_CLASSES[-1] + 1   # launches past the largest bucket (whole prompts) share a colour
+        classes = sorted({token_bucket(r["launch_tokens"], LAUNCH_CLASSES) or past
+                          for r in mine if r["prefill_tokens"]})
+        for i, c in enumerate(classes):
+            pts = [r for r in mine if r["prefill_tokens"]
+                   and (token_bucket(r["launch_tokens"], LAUNCH_CLASSES) or past) == c]
+            ax.scatter([r["step"] for r in pts], [r["step_ms"] for r in pts], s=6, color=f"C{i % 10}",
+                       label=f"launch <= {c}" if c < past else f"launch > {past - 1}")
+        ax.set(ylabel="cycle ms", yscale="log", title=f"{mode} {engine}: online_long's verifier cycles")
+        ax.legend(fontsize=7, ncol=4, loc="upper right")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 def plot_fused_step_profile(parquet, png) -> Path:
     """Left: step ms against the chunk's tokens per batch (0: the decode step) and chunk start (line styles), the
     2x-decode line dashed; right: one layer's attention of the rows by the decode kernel and the packed kernel's
@@ -374,6 +409,7 @@ PLOTS = {
     "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
                                   "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),
     "real_traffic": plot_real_traffic,
+    "real_traffic_steps": plot_real_traffic_steps,
     "host_overhead_cpu": plot_host_overhead,
     "gpt_fast_peer": bar_plot(lambda r: f"{r['engine']} {r['step']} b={r['batch']}", "ms", "ms per step",
                               "gpt-fast vs minedraft: step times at the same shape"),

@@ -194,9 +194,10 @@ def long_prompt_gaps(traces: list[Trace], long_tokens: int) -> dict:
             "long_over_quiet": p99 / p50 if p99 is not None and p50 else None}
 
 
-def step_trace(records, mode: str, engine: str, workload: str) -> list[dict]:
+def step_trace(records, mode: str, engine: str, workload: str, context: dict) -> list[dict]:
     """--steps: a run's verifier cycles, to tell what made its long gaps (a chunk's launch, or something else)."""
     return [{"mode": mode, "engine": engine, "workload": workload, "step": i, "t_emit": r.t_emit,
+             "git_sha": context["git_sha"], "command": context["command"], "device": context["device"],
              "step_ms": r.step_ms, "t_verify_ms": r.t_verify_ms, "t_prefill_ms": r.t_prefill_ms, "rows": r.verified,
              "prefill_tokens": r.prefill_tokens, "prefill_launches": len(r.prefill_launches),
              "launch_tokens": max(r.prefill_launches, default=0),
@@ -344,9 +345,7 @@ def merge_runs(out: Path, runs: list[Path], args) -> list[dict]:
         if len(settings) > 1:
             raise SystemExit(f"{mode}: rows of different device, max_batch, k or alpha would mix: {sorted(settings)}")
     if steps:
-        import pyarrow as pa
-
-        pq.write_table(pa.Table.from_pylist(steps), steps_path)
+        write_steps(out, steps)
     write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args)
     return rows
 
@@ -422,17 +421,15 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({**base, **run_online_long(llm, requests, args, capacity, work, next_id,
                                                                f"{mode}-{engine}-long")})
                         if args.steps:
-                            step_rows += step_trace(llm.history()[first_step:], mode, engine, "online_long")
+                            step_rows += step_trace(llm.history()[first_step:], mode, engine, "online_long",
+                                                    context)
                         say(f"{mode} {engine} with {args.long_prompts} long prompts: gap ratio "
                             f"{fmt(rows[-1]['long_over_quiet'])} over {rows[-1]['n_long']}")
                 finally:
                     llm.shutdown()
                 write(out, rows, work, args)   # after every engine: a device call cut short keeps what it measured
                 if step_rows:
-                    import pyarrow as pa
-                    import pyarrow.parquet as pq
-
-                    pq.write_table(pa.Table.from_pylist(step_rows), out / f"{NAME}_steps.parquet")
+                    write_steps(out, step_rows)
     finally:
         if own_ray:
             ray.shutdown()
@@ -474,6 +471,31 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
                          "launches) vs the padded engine",
                          rows[0]["command"] if rows else "", rows[0]["device"] if rows else "", notes, TABLE)
+
+
+def write_steps(out: Path, steps: list[dict]) -> None:
+    """real_traffic_steps.{parquet,md,png}: every cycle in the parquet, their summary in the md."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = out / f"{NAME}_steps.parquet"
+    pq.write_table(pa.Table.from_pylist(steps), path)
+    runs = dict.fromkeys((r["command"], r["git_sha"], r["device"]) for r in steps)
+    md = ["# Real traffic: the engine's verifier cycles in online_long (--steps)", ""]
+    md += [f"- {line}" for line in step_notes(steps)]
+    md += ["", "Command: " + "; ".join(f"`{c}`" for c, _, _ in runs), "",
+           "Git: " + ", ".join(dict.fromkeys(sha for _, sha, _ in runs)), "",
+           "Device: " + ", ".join(dict.fromkeys(d for _, _, d in runs)), "",
+           "- step_ms: the verifier's cycle (the end of its previous verify to the end of this one); launch_tokens: "
+           "the largest launch that carried prompt tokens in it (a fused one's with its verify's tokens); "
+           "chunk_limit: the adaptive chunk's launch tokens for the steps after it (chunk_gap_ratio)"]
+    path.with_suffix(".md").write_text("\n".join(md) + "\n")
+    try:
+        from bench.plot import PLOTS
+
+        PLOTS[path.stem](path, path.with_suffix(".png"))
+    except ImportError:   # no matplotlib (the GPU machine): python -m bench.plot later
+        pass
 
 
 def step_notes(steps: list[dict]) -> list[str]:

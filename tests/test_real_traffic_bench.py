@@ -112,7 +112,8 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     # its --steps: two cycles of the adaptive engine, one with a chunk in a 300-token launch (class 320)
     steps = [{"mode": "ar", "engine": "fused:384@1.5", "workload": "online_long", "step": i, "step_ms": ms,
               "prefill_tokens": tokens, "prefill_launches": int(tokens > 0), "launch_tokens": launch,
-              "chunk_limit": 320} for i, (ms, tokens, launch) in enumerate([(6.0, 0, 0), (11.0, 280, 300)])]
+              "chunk_limit": 320, "git_sha": "aaaaaaa", "command": "python -m bench.real_traffic --run-a --steps",
+              "device": closed["device"]} for i, (ms, tokens, launch) in enumerate([(6.0, 0, 0), (11.0, 280, 300)])]
     pq.write_table(pa.Table.from_pylist(steps), tmp_path / "run" / f"{NAME}_steps.parquet")
     assert main(["--merge", str(tmp_path / "run" / f"{NAME}.parquet"), "--out", str(tmp_path)]) == 0
     rows = pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist()
@@ -122,8 +123,11 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     assert by["ar", "fused:384@1.5", "closed", None]["chunk_gap_ratio"] == 1.5
     md = (tmp_path / f"{NAME}.md").read_text()
     assert "Rows from: " in md and "--run-a` at aaaaaaa" in md and "closed tok/s fused:384@1.5 / padded = 2.00" in md
-    # the run's steps are merged beside the results' and described
+    # the run's steps are merged beside the results' and described, in real_traffic.md and their own md and plot
     merged_steps = pq.read_table(tmp_path / f"{NAME}_steps.parquet").to_pylist()
+    steps_md = (tmp_path / f"{NAME}_steps.md").read_text()
+    assert "`python -m bench.real_traffic --run-a --steps`" in steps_md and "aaaaaaa" in steps_md
+    assert (tmp_path / f"{NAME}_steps.png").is_file()
     assert [r["step_ms"] for r in merged_steps if r["engine"] == "fused:384@1.5"] == [6.0, 11.0]
     assert ("ar fused:384@1.5, online_long's cycles (steps parquet): 1 with a prompt chunk, P50/P99 11.0/11.0 ms, "
             "against 1 without, P50/P99 6.00/6.00 ms; by launch class (tokens: cycles, P50/P99 ms) 320: 1, "
