@@ -19,9 +19,11 @@
 # PART 16 (#24): the gpt-fast peer (bench/gpt_fast_peer.py; carry third_party/gpt-fast): decode, verify and prefill
 # step times at the 8B shape, batches 1 and 32, its compile inside the limit.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
-# PART 17 (#24): the adaptive chunk priced per launch class, ar and sd beside padded, with online_long's steps.
-# Order for a 30-minute device budget: 17 (part 14 ran at 5b0a322: a per-token price overran the ratio), 16 (the
-# gpt-fast peer), 13 (#22's online load); then 5, 1, 3, 7.
+# PART 17 (#24): the adaptive chunk priced per launch class, ar and sd beside padded, with online_long's steps
+# (ran at 6a6e9ae).
+# PART 18 (#22): serve vs offline sd k=2 max_batch 256 with chunk_gap_ratio 1.5 (the burst's chunks held the P50).
+# Order for a 30-minute device budget: 16 (the gpt-fast peer, if not yet run), 18, 13 (#22's online load), 5; then
+# 17 again after a change to the chunk's pricing; 1, 3, 7.
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,
@@ -100,10 +102,16 @@ case "${1:?PART}" in
   step real_traffic_sd_classes 290 python -m bench.real_traffic --modes sd --engines padded,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_sd_classes"
   ;;
+18)  # #22: sd k=2 at max_batch 256 missed its chunk gap P50 / P99 by 12 % / 9 % (237892e) because 91 % of the burst's
+     # cycles carried a prefill chunk: the same run with chunks sized to 1.5 x a cycle without (chunk_gap_ratio)
+  step serve_sd256_adaptive 330 python -m bench.serve_vs_offline --mode sd --k 2 --max-batch 256 --n-requests 1024 \
+    --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --chunk-gap-ratio 1.5 --label direct-r1.5 \
+    --out "$OUT/serve_sd256_adaptive"
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16 or 17" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17 or 18" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

@@ -51,7 +51,7 @@ COLUMNS = ["label", "mode", "k", "tp", "max_batch", "n_requests", "max_tokens", 
            "ingress_loop_lag_p99_ms", "ingress_loop_lag_mean_ms", "engine_gap_p50_ms", "engine_gap_p99_ms",
            "engine_gap_steady_p50_ms", "engine_gap_steady_p99_ms", "engine_gaps", "engine_steps", "engine_step_p50_ms",
            "engine_step_p99_ms", "prefill_step_share", "flush_late_p50_ms", "flush_late_p99_ms", "flush_ahead_share",
-           "chunks_per_request", "engine_step_ms", "stream_interval_ms",
+           "chunks_per_request", "engine_step_ms", "stream_interval_ms", "chunk_gap_ratio",
            "completed", "errors", "first_error", "ingress_replicas", "ingress_cpus", "ingress_http", "client_procs",
            "models", "device",
            "git_sha", "command"]
@@ -354,6 +354,8 @@ def engine_args(args, mode: str, max_batch: int, n_requests: int, prompt_hi: int
     settings = {"mode": mode, "k": args.k, "tp": args.tp, "max_batch": max_batch, "max_len": prompt_hi + args.max_tokens + 16,
                 "max_queued": max(n_requests, 64), "device": args.device, "dtype": args.dtype,
                 "stream_interval_ms": args.stream_interval_ms}
+    if args.chunk_gap_ratio is not None:
+        settings["chunk_gap_ratio"] = args.chunk_gap_ratio
     if args.target:
         settings["target"] = args.target
     if mode == "ar":
@@ -429,11 +431,14 @@ def direct_ingress_environ() -> dict[str, str]:
     return {k: v for k, v in environ(0, 1).items() if "_HTTP_PORT" not in k}
 
 
-def engine_step_ms(urls: list[str]) -> float | None:
+def engine_side(urls: list[str]) -> dict:
+    """What the engine replica reports of itself (/v1/minedraft/info): its median recent step, and the chunk
+    setting it runs with (read back, not taken from the settings sent)."""
     import urllib.request
 
     with urllib.request.urlopen(urls[0] + "/v1/minedraft/info", timeout=30) as r:
-        return json.loads(r.read()).get("recent_steps", {}).get("step_ms")
+        info = json.loads(r.read())
+    return {"engine_step_ms": info.get("recent_steps", {}).get("step_ms"), "chunk_gap_ratio": info["chunk_gap_ratio"]}
 
 
 class HopProbe:
@@ -477,7 +482,7 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, i
                              timeout)
         admitted = burst_admitted(traces)
         closed = {"workload": "closed", "load": None, **trace_stats(traces, start, admitted),
-                  **probe.after(admitted), "engine_step_ms": engine_step_ms(urls)}
+                  **probe.after(admitted), **engine_side(urls)}
         results = [closed]
         capacity_rps = (closed["http_tokens_per_s"] or 0) / args.max_tokens
         for load in args.loads:
@@ -488,7 +493,7 @@ def run_http(args, pool, settings: dict, prompts: list[list[int]], model: str, i
             probe.before()
             _, traces = send(pool, args.client_procs, urls, model, online_prompts, offsets, args.max_tokens, timeout)
             results.append({"workload": "online", "load": load, "rate_rps": rate, **trace_stats(traces),
-                            **probe.after(), "engine_step_ms": engine_step_ms(urls)})
+                            **probe.after(), **engine_side(urls)})
         return results
     finally:
         serve.delete(app_name(settings))
@@ -588,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--device", default=None, choices=["cpu", "cuda"])
     ap.add_argument("--stream-interval-ms", type=float, default=20.0)
+    ap.add_argument("--chunk-gap-ratio", type=float, default=None, help="the engine's chunk_gap_ratio (prompt "
+                    "chunks sized from step times; default: the config's)")
     ap.add_argument("--ingress-replicas", type=int, default=None, help="OpenAIServer replicas (default: config's)")
     ap.add_argument("--ingress-cpus", type=float, default=None, help="CPUs per OpenAIServer replica")
     ap.add_argument("--ingress-http", default="proxy", choices=["proxy", "direct"],

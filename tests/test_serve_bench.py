@@ -78,14 +78,15 @@ def test_merge_replaces_a_configuration():
 
 
 def test_smoke(ray_cluster, tmp_path):
-    # two ingress replicas: both subscribe to the engine replica's mailbox, each gets only its own requests' outputs
+    # two ingress replicas: both subscribe to the engine replica's mailbox, each gets only its own requests' outputs;
+    # the engine's chunks sized from its step times (the setting travels in the app's config to the engine replica)
     assert main(["--smoke", "--n-requests", "6", "--max-tokens", "12", "--loads", "0.5", "--online-s", "0.5",
-                 "--ingress-replicas", "2", "--out", str(tmp_path)]) == 0
+                 "--ingress-replicas", "2", "--chunk-gap-ratio", "1.5", "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "serve_vs_offline_cpu.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "serve_vs_offline_cpu.parquet").to_pylist()
     closed = next(r for r in rows if r["workload"] == "closed")
     assert closed["completed"] == 6 and closed["errors"] == 0, closed["first_error"]
-    assert closed["ingress_replicas"] == 2
+    assert closed["ingress_replicas"] == 2 and closed["chunk_gap_ratio"] == 1.5
     assert closed["http_tokens_per_s"] > 0 and closed["offline_tokens_per_s"] > 0
     assert closed["http_over_offline"] == pytest.approx(closed["http_tokens_per_s"] / closed["offline_tokens_per_s"])
     assert closed["ttft_p50_ms"] <= closed["ttft_p99_ms"] and closed["chunk_gap_p50_ms"] <= closed["chunk_gap_p99_ms"]
