@@ -529,13 +529,13 @@ class BatchManager:
                             t_verify_ms=result.device_ms, t_prefill_ms=self._prefill_ms, admitted=verify.admitted,
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
-        record.prefill_launches, self._prefill_launches = self._prefill_launches, []   # this cycle's, before it
+        record.prefill_launches, self._prefill_launches = tuple(self._prefill_launches), []   # this cycle's so far
         record.prefill_tokens = sum(record.prefill_launches)
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
             record.prefill_tokens += verify.prefill.num_tokens
-            record.prefill_launches.append(verify.prefill.num_tokens +
-                                           len(verify.rows) * self.sched.verify_width(verify.regime))
+            record.prefill_launches += (verify.prefill.num_tokens +
+                                        len(verify.rows) * self.sched.verify_width(verify.regime),)
             self.metrics.on_prefill(verify.prefill.num_tokens)
         lengths = list(map(len, result.tokens))
         record.emitted = sum(lengths)

@@ -320,7 +320,7 @@ class Scheduler:
         # behind the running one; psd and sd_split draft from committed tokens on another actor: one
         self.depth = 2 if self.mode in ("sd", "ar") else 1
         self.queued = [0, 0]
-        # prompt tokens a step's chunk may hold while anything decodes, below the budget's share (None: the
+        # the launch a step's chunk may ride in while anything decodes, below the budget's share (None: the
         # budget alone); the manager sets it from measured step times (runtime/chunk_budget.py)
         self.chunk_limit: ChunkLimit | None = None
         self.draft_ahead: list[DraftPlan | None] = [None, None]
