@@ -342,11 +342,11 @@ def plot_real_traffic_steps(parquet, png) -> Path:
         plain = [r for r in mine if not r["prefill_tokens"]]
         ax.scatter([r["step"] for r in plain], [r["step_ms"] for r in plain], s=3, color="0.6", label="no chunk")
         past = LAUNCH_CLASSES[-1] + 1   # launches past the largest bucket (whole prompts) share a colour
-        classes = sorted({token_bucket(r["launch_tokens"], LAUNCH_CLASSES) or past
-                          for r in mine if r["prefill_tokens"]})
-        for i, c in enumerate(classes):
-            pts = [r for r in mine if r["prefill_tokens"]
-                   and (token_bucket(r["launch_tokens"], LAUNCH_CLASSES) or past) == c]
+        by_class: dict[int, list[dict]] = {}
+        for r in mine:
+            if r["prefill_tokens"]:
+                by_class.setdefault(token_bucket(r["launch_tokens"], LAUNCH_CLASSES) or past, []).append(r)
+        for i, (c, pts) in enumerate(sorted(by_class.items())):
             ax.scatter([r["step"] for r in pts], [r["step_ms"] for r in pts], s=6, color=f"C{i % 10}",
                        label=f"launch <= {c}" if c < past else f"launch > {past - 1}")
         ax.set(ylabel="cycle ms", yscale="log", title=f"{mode} {engine}: online_long's verifier cycles")

@@ -346,7 +346,7 @@ def merge_runs(out: Path, runs: list[Path], args) -> list[dict]:
             raise SystemExit(f"{mode}: rows of different device, max_batch, k or alpha would mix: {sorted(settings)}")
     if steps:
         write_steps(out, steps)
-    write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args)
+    write(out, rows, Workload(args.prompt_median, args.prompt_p99, seed=args.seed), args, steps)
     return rows
 
 
@@ -427,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                             f"{fmt(rows[-1]['long_over_quiet'])} over {rows[-1]['n_long']}")
                 finally:
                     llm.shutdown()
-                write(out, rows, work, args)   # after every engine: a device call cut short keeps what it measured
+                # after every engine: a device call cut short keeps what it measured
                 if step_rows:
                     write_steps(out, step_rows)
+                write(out, rows, work, args, step_rows)
     finally:
         if own_ray:
             ray.shutdown()
@@ -438,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
+def write(out: Path, rows: list[dict], work: Workload, args, steps: list[dict] = ()) -> Path:
+    """steps: the rows' --steps, described in the notes too."""
     notes = [work.describe(),
              f"max_batch {args.max_batch}; sd: k={args.k}, synthetic acceptance alpha={args.alpha}; "
              f"{args.n_closed} closed requests; online {args.online_s:g} s of Poisson arrivals per load at "
@@ -462,12 +464,7 @@ def write(out: Path, rows: list[dict], work: Workload, args) -> Path:
     commands = dict.fromkeys((r["command"], r["git_sha"]) for r in rows)
     if len(commands) > 1:   # merged runs
         notes.append("Rows from: " + "; ".join(f"`{c}` at {sha}" for c, sha in commands))
-    notes += ratios(rows)
-    steps_path = out / f"{NAME}_steps.parquet"
-    if steps_path.exists():
-        import pyarrow.parquet as pq
-
-        notes += step_notes(pq.read_table(steps_path).to_pylist())
+    notes += ratios(rows) + step_notes(steps)
     return write_results(rows, out, NAME, COLUMNS, "Real traffic: chunked + packed prefill (separate or fused "
                          "launches) vs the padded engine",
                          rows[0]["command"] if rows else "", rows[0]["device"] if rows else "", notes, TABLE)

@@ -136,7 +136,7 @@ def test_the_cap_and_the_floor_bound_it():
     (ChunkLimit(256, 16), 0, 256),     # its own launch
     (ChunkLimit(256, 16), 128, 128),   # fused with sd's verify of 32 rows x (k + 1)
     (ChunkLimit(256, 16), 250, 16),    # the verify leaves less than the floor: the floor
-    (ChunkLimit(0, 0), 0, 0),          # a probe step
+    (ChunkLimit(256, 16, probe=True), 0, 0),   # a probe step
 ])
 def test_a_limit_is_on_the_launch_that_carries_the_chunk(limit, verify_tokens, chunk):
     assert limit.chunk_tokens(verify_tokens) == chunk

@@ -193,7 +193,7 @@ class Driver:
         riding = {id(v.prefill): len(v.rows) * self.sched.verify_width(v.regime)
                   for v in plan.verifies if v.prefill is not None}
         check_prefills(self, plan.prefills + fused, decoding, riding)
-        if self.sched.chunk_limit is not None and self.sched.chunk_limit.launch_tokens == 0:
+        if self.sched.chunk_limit is not None and self.sched.chunk_limit.probe:
             self.sched.chunk_limit = None   # a probe step lasts one call
         self.plans.append(self.plan_shape(plan))
         # the manager's order: each prefill (the drafter's chunks behind it), then each verify with the round it
@@ -490,9 +490,9 @@ EVENTS = st.one_of(
     st.tuples(st.just("drafter_back")),
     st.tuples(st.just("regime"), st.sampled_from(["psd", "seq"]), st.sampled_from(["psd", "seq", "auto"])),
 )
-# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any launch size and floor, or none; a launch
-# of 0 is a probe step (no chunk while anything decodes), which the manager holds for one schedule call
-CHUNK_LIMITS = st.one_of(st.none(), st.just(ChunkLimit(0, 0)),
+# the adaptive chunk (runtime/chunk_budget.py) moves between steps: any launch size and floor, or none; a probe
+# step (no chunk while anything decodes) the manager holds for one schedule call
+CHUNK_LIMITS = st.one_of(st.none(), st.just(ChunkLimit(8, 1, probe=True)),
                          st.builds(ChunkLimit, st.sampled_from([1, 2, 3, 5, 8, 13, 100]), st.sampled_from([1, 2])))
 WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), CHUNK_LIMITS))
 

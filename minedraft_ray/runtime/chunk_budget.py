@@ -44,10 +44,11 @@ class ChunkLimit:
     """What the next step's prompt chunk may take while requests decode."""
     launch_tokens: int    # the launch that carries it holds at most these (fused: with the verify's); 0: no chunk
     floor: int            # prompt tokens it may take whatever the launch holds (prompts progress)
+    probe: bool = False   # a step without a chunk, which measures the base (launch_tokens: the size after it)
 
     def chunk_tokens(self, verify_tokens: int) -> int:
         """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch)."""
-        if self.launch_tokens == 0:
+        if self.probe or self.launch_tokens == 0:
             return 0
         return max(self.floor, self.launch_tokens - verify_tokens)
 
@@ -103,10 +104,9 @@ class ChunkBudget:
         self.costs[c] = ClassCost(recent, self.chunk_cycles)
 
     def next_limit(self) -> ChunkLimit:
-        """The next step's: none on a probe step (the base is `probe_every` chunk cycles old), else `limit()`."""
-        if self.since_base >= self.probe_every:
-            return ChunkLimit(0, 0)
-        return ChunkLimit(self.limit(), self.floor)
+        """The next step's: `limit()`, and a probe step (no chunk) when the base is `probe_every` chunk cycles
+        old."""
+        return ChunkLimit(self.limit(), self.floor, probe=self.since_base >= self.probe_every)
 
     def limit(self) -> int:
         """Launch tokens the next chunk's launch may hold: the largest class whose added time fits the ratio (the
@@ -114,17 +114,18 @@ class ChunkBudget:
         if self.base_ms is None:
             return self.cap
         allowed_ms = (self.ratio - 1.0) * self.base_ms
+        known = self._fresh_prices()
         for c in reversed(self.classes):
-            estimate = self.estimate(c)
+            estimate = self.estimate(c, known)
             if estimate is None or estimate <= allowed_ms:
                 return c
         return self.classes[0]
 
-    def estimate(self, c: int) -> float | None:
+    def estimate(self, c: int, known: dict[int, float] | None = None) -> float | None:
         """What a launch of class c adds: measured, or else the nearest fresh class below's (optimistic, as a
         launch costs no less for holding more: the class is then tried and known), or else the nearest above's
-        scaled down in proportion to its tokens; None: nothing measured."""
-        known = {k: v.added_ms for k, v in self.costs.items() if not self._stale(v)}
+        scaled down in proportion to its tokens; None: nothing measured. known: `_fresh_prices()`, when at hand."""
+        known = self._fresh_prices() if known is None else known
         if c in known:
             return known[c]
         below = max((k for k in known if k < c), default=None)
@@ -132,6 +133,9 @@ class ChunkBudget:
             return known[below]
         above = min((k for k in known if k > c), default=None)
         return known[above] * c / above if above is not None else None
+
+    def _fresh_prices(self) -> dict[int, float]:
+        return {k: v.added_ms for k, v in self.costs.items() if not self._stale(v)}
 
     def _stale(self, cost: ClassCost) -> bool:
         return self.chunk_cycles - cost.seen_at >= self.stale_after
