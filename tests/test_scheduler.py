@@ -657,12 +657,13 @@ def chunk_sizes(limit: ChunkLimit | None) -> list[int]:
         driver.complete(emit)
     driver.sched.chunk_limit = limit
     driver.arrive(30, 2, False)
-    sizes, seen = [], set()
+    sizes, seen = [], []   # the tasks themselves, held: a finished task's id may be reused by a later one
     while not driver.states[-1].request.output_ids:
         for task in driver.inflight:
-            if id(task) not in seen and isinstance(task, PrefillPlan):
-                sizes.append(task.num_tokens)
-            seen.add(id(task))
+            if not any(task is t for t in seen):
+                seen.append(task)
+                if isinstance(task, PrefillPlan):
+                    sizes.append(task.num_tokens)
         driver.complete(emit)
     return sizes
 
