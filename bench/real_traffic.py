@@ -200,7 +200,8 @@ def step_trace(records, mode: str, engine: str, workload: str, context: dict) ->
              "git_sha": context["git_sha"], "command": context["command"], "device": context["device"],
              "step_ms": r.step_ms, "t_verify_ms": r.t_verify_ms, "t_prefill_ms": r.t_prefill_ms, "rows": r.verified,
              "prefill_tokens": r.prefill_tokens, "prefill_launches": len(r.prefill_launches),
-             "launch_tokens": max(r.prefill_launches, default=0),
+             "launch_tokens": max((launch.tokens for launch in r.prefill_launches), default=0),
+             "prior_keys": sum(launch.prior_keys for launch in r.prefill_launches),
              "chunk_limit": r.chunk_limit, "host_ms": r.host_ms, "launch_gap_ms": r.launch_gap_ms}
             for i, r in enumerate(records)]
 
@@ -484,7 +485,8 @@ def write_steps(out: Path, steps: list[dict]) -> None:
            "Git: " + ", ".join(dict.fromkeys(sha for _, sha, _ in runs)), "",
            "Device: " + ", ".join(dict.fromkeys(d for _, _, d in runs)), "",
            "- step_ms: the verifier's cycle (the end of its previous verify to the end of this one); launch_tokens: "
-           "the largest launch that carried prompt tokens in it (a fused one's with its verify's tokens); "
+           "the largest launch that carried prompt tokens in it (a fused one's with its verify's tokens); prior_keys: "
+           "its launches' chunks' tokens x their starts (the keys before their own that they read: a chunk's depth); "
            "chunk_limit: the adaptive chunk's launch tokens for the steps after it (chunk_gap_ratio)"]
     path.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:

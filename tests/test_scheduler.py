@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from minedraft_ray.engine.kv_blocks import HEADROOM, NULL_BLOCK
 from minedraft_ray.engine.request import Request, commit_tokens
 from minedraft_ray.engine.sampling import SamplingParams
-from minedraft_ray.runtime.chunk_budget import ChunkLimit
+from minedraft_ray.runtime.chunk_budget import ChunkLimit, ClassPrice
 from minedraft_ray.runtime.scheduler import (DraftPlan, KVPoolSpec, KVRole, PrefillOrder, PrefillPlan, RequestState,
                                              Scheduler, SchedulerConfig, Status, VerifyPlan)
 
@@ -492,8 +492,22 @@ EVENTS = st.one_of(
 )
 # the adaptive chunk (runtime/chunk_budget.py) moves between steps: any launch size and floor, or none; a probe
 # step (no chunk while anything decodes) the manager holds for one schedule call
+PRICES = (ClassPrice(1, 0.5), ClassPrice(2, 0.6), ClassPrice(4, 0.8), ClassPrice(8, 1.0), ClassPrice(16, 1.5),
+          ClassPrice(100, 2.5))
+
+
+@st.composite
+def priced_limits(draw):
+    """A limit as ChunkBudget.next_limit builds it: the classes up to its launch priced, and what depth adds (a
+    prompt's later chunks shrink as they start deeper)."""
+    top = draw(st.integers(0, len(PRICES) - 1))
+    return ChunkLimit(PRICES[top].launch_tokens, draw(st.sampled_from([1, 2])), prices=PRICES[:top + 1],
+                      key_ms=draw(st.sampled_from([0.0, 0.002, 0.05])), allowed_ms=3.0)
+
+
 CHUNK_LIMITS = st.one_of(st.none(), st.just(ChunkLimit(8, 1, probe=True)),
-                         st.builds(ChunkLimit, st.sampled_from([1, 2, 3, 5, 8, 13, 100]), st.sampled_from([1, 2])))
+                         st.builds(ChunkLimit, st.sampled_from([1, 2, 3, 5, 8, 13, 100]), st.sampled_from([1, 2])),
+                         priced_limits())
 WITH_CHUNK_LIMITS = st.one_of(EVENTS, st.tuples(st.just("chunk_limit"), CHUNK_LIMITS))
 
 
@@ -674,6 +688,15 @@ def test_an_adaptive_limit_on_a_chunk_of_its_own_leaves_out_no_verify():
     floor when they came off it anyway (a cold review found it)."""
     assert chunk_sizes(None) == chunk_sizes(ChunkLimit(16, 1)) == [16, 14]
     assert chunk_sizes(ChunkLimit(8, 1)) == [8, 8, 8, 6]
+
+
+def test_a_prompt_s_chunks_shrink_as_they_start_deeper():
+    """The scheduler hands the limit where the chunk's tokens would start (their prior keys): 16 tokens fit at the
+    start; 16 tokens in, 16 x 16 prior keys add 2.56 ms to a 16-token launch's 1.0 and 8 x 16 add 1.28 to an 8's,
+    both past the 2.0 allowed, 4 x 16 add 0.64; from 28 in nothing fits and the smallest class goes."""
+    limit = ChunkLimit(16, 1, prices=(ClassPrice(4, 1.0), ClassPrice(8, 1.0), ClassPrice(16, 1.0)), key_ms=0.01,
+                       allowed_ms=2.0)
+    assert chunk_sizes(limit) == [16, 4, 4, 4, 2]
 
 
 def prefill_waits(order: PrefillOrder, shorts: int, short_len: int, every_step: bool) -> list[int]:

@@ -16,6 +16,16 @@ cycles, since it may have been measured in a stall or at another batch: the clas
 again about that often. Nothing measured: the configured budget. The same classes price an unpadded launch (no
 graphs, the CPU), whose time grows smoothly: a coarser grid, not a wrong one.
 
+A chunk deep in a long prompt costs more than one at its start with the same tokens: its queries attend to every
+key before them, so its time grows with its tokens x their depth, and a class priced at one depth misprices it at
+another (the cost of a long prompt's chunks of one class rose by half over its prompt on an H200, and the classes
+below, priced near depth 0, overran the ratio in turn). So a launch's added time is modelled as its class's price
+plus `key_ms` per prior key (a chunk's tokens x its start: the keys before its own that its queries read), `key_ms`
+the median of the slopes between launches of one class at different depths (Theil-Sen: robust to a stalled
+cycle), a class's price the median of its recent launches' times less their depth's share. The scheduler, which
+knows where each prompt's next chunk starts, asks the limit for the largest class whose price plus its chunk's
+depth fits.
+
 The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
 progress whatever the times say.
@@ -28,15 +38,35 @@ Pure: the manager feeds it each verify's cycle and the launches in it that carri
 scheduler `next_limit()` (Scheduler.chunk_limit)."""
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..engine.launch_buckets import PACKED_GRAPH_TOKENS, token_bucket
 
 RECENT = 3   # a class's last cycles, whose median prices it
+DEPTH_SAMPLES = 8   # a class's last cycles, whose pairs at different depths give key_ms's slopes
+SLOPES = 64         # the newest slopes, whose median is key_ms
+MIN_SPREAD = 0.25   # a pair's prior keys differ by at least this share of the larger, or its slope is noise
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
+
+
+@dataclass(frozen=True)
+class PromptLaunch:
+    """A launch that carried prompt tokens: all its tokens (a fused one's with its verify's) and its chunks' prior
+    keys (each chunk's tokens x its start: the keys before its own that its queries read)."""
+    tokens: int
+    prior_keys: int = 0
+
+
+@dataclass(frozen=True)
+class ClassPrice:
+    launch_tokens: int    # a launch class
+    added_ms: float       # what a launch of it adds to its cycle at depth 0
 
 
 @dataclass(frozen=True)
@@ -45,24 +75,37 @@ class ChunkLimit:
     launch_tokens: int    # the launch that carries it holds at most these (fused: with the verify's); 0: no chunk
     floor: int            # prompt tokens it may take whatever the launch holds (prompts progress)
     probe: bool = False   # a step without a chunk, which measures the base (launch_tokens: the size after it)
+    # the classes up to launch_tokens, ascending, and what a prior key adds: the limit at a chunk's depth
+    prices: tuple[ClassPrice, ...] = ()
+    key_ms: float = 0.0
+    allowed_ms: float = math.inf
 
-    def chunk_tokens(self, verify_tokens: int) -> int:
-        """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch)."""
+    def chunk_tokens(self, verify_tokens: int, prior_keys: Callable[[int], int] | None = None) -> int:
+        """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch).
+        prior_keys(tokens): the prior keys of a chunk of that many tokens (where the prompts it would take stand);
+        None: depth 0."""
         if self.probe or self.launch_tokens == 0:
             return 0
-        return max(self.floor, self.launch_tokens - verify_tokens)
+        tokens = max(self.floor, self.launch_tokens - verify_tokens)
+        if prior_keys is None or self.key_ms <= 0.0 or not self.prices:
+            return tokens
+        for price in reversed(self.prices):   # the largest class whose time at that depth fits
+            tokens = max(self.floor, price.launch_tokens - verify_tokens)
+            if price.added_ms + self.key_ms * prior_keys(tokens) <= self.allowed_ms:
+                break
+        return tokens   # none fits: the smallest class's
 
 
 @dataclass
 class ClassCost:
-    recent: tuple[float, ...]    # what the last few of this class's launches added to their cycles
-    seen_at: int                 # the chunk cycle that last ran one
+    recent: tuple[tuple[float, int], ...]   # the last launches of this class: (time added to its cycle, prior keys)
+    seen_at: int                            # the chunk cycle that last ran one
 
-    @property
-    def added_ms(self) -> float:
-        """Their median: one cycle stalled by something else does not reprice the class, and a cost that keeps
-        rising (a chunk deep in a long prompt attends to more keys each step) is followed a cycle behind."""
-        return statistics.median(self.recent)
+    def added_ms(self, key_ms: float) -> float:
+        """At depth 0: the median of its last RECENT launches less their depth's share (one cycle stalled by
+        something else does not reprice the class; a rising cost the depth does not explain is followed a cycle
+        behind)."""
+        return statistics.median(added - key_ms * keys for added, keys in self.recent[-RECENT:])
 
 
 @dataclass
@@ -76,6 +119,7 @@ class ChunkBudget:
     stale_after: int = 256              # chunk cycles after which a class's price is estimated again
     base_ms: float | None = None        # a verifier cycle without a prompt chunk
     costs: dict[int, ClassCost] = field(default_factory=dict)
+    slopes: deque = field(default_factory=lambda: deque(maxlen=SLOPES))   # ms per prior key, newest last
     chunk_cycles: int = 0               # cycles with chunks, all told
     since_base: int = 0                 # cycles with chunks since the last one without
 
@@ -83,43 +127,52 @@ class ChunkBudget:
     def for_budget(cls, cap: int, ratio: float, buckets: tuple[int, ...] = LAUNCH_CLASSES) -> ChunkBudget:
         return cls(cap, ratio, floor=max(1, cap // 32), classes=tuple(b for b in buckets if b < cap) + (cap,))
 
-    def observe(self, cycle_ms: float, launches: Sequence[int]) -> None:
-        """One verifier cycle (the end of the previous verify to the end of this one) and the tokens of each launch
-        in it that carried prompt tokens (a fused one's with its verify's). A cycle of several (prompts admitted
-        back to back while nothing decoded, or a chunk of its own beside a fused one) has no one class to charge:
-        it counts for nothing."""
+    def observe(self, cycle_ms: float, launches: Sequence[PromptLaunch]) -> None:
+        """One verifier cycle (the end of the previous verify to the end of this one) and each launch in it that
+        carried prompt tokens. A cycle of several (prompts admitted back to back while nothing decoded, or a chunk
+        of its own beside a fused one) has no one class to charge: it counts for nothing."""
         if not launches:
             self.base_ms = self._average(self.base_ms, cycle_ms)
             self.since_base = 0
             return
         self.since_base += 1
         self.chunk_cycles += 1
-        if self.base_ms is None or len(launches) > 1 or launches[0] > self.cap:
+        if self.base_ms is None or len(launches) > 1 or launches[0].tokens > self.cap:
             return
-        c = token_bucket(launches[0], self.classes)
+        launch = launches[0]
+        c = token_bucket(launch.tokens, self.classes)
         # signed: a chunk measured as free (a base taken in a stall) averages out rather than being dropped
-        added = cycle_ms - self.base_ms
+        sample = (cycle_ms - self.base_ms, launch.prior_keys)
         known = self.costs.get(c)
-        recent = (added,) if known is None or self._stale(known) else (*known.recent, added)[-RECENT:]
-        self.costs[c] = ClassCost(recent, self.chunk_cycles)
+        earlier = () if known is None or self._stale(known) else known.recent
+        self.slopes.extend((b[0] - a[0]) / (b[1] - a[1]) for a, b in itertools.product(earlier, (sample,))
+                           if abs(b[1] - a[1]) >= MIN_SPREAD * max(a[1], b[1], 1))
+        self.costs[c] = ClassCost((*earlier, sample)[-DEPTH_SAMPLES:], self.chunk_cycles)
+
+    @property
+    def key_ms(self) -> float:
+        """What one prior key adds to a launch: the median slope (none measured, or negative: 0)."""
+        return max(0.0, statistics.median(self.slopes)) if self.slopes else 0.0
 
     def next_limit(self) -> ChunkLimit:
-        """The next step's: `limit()`, and a probe step (no chunk) when the base is `probe_every` chunk cycles
-        old."""
-        return ChunkLimit(self.limit(), self.floor, probe=self.since_base >= self.probe_every)
+        """The next step's: `limit()` at depth 0 with the prices that size a deeper chunk, and a probe step (no
+        chunk) when the base is `probe_every` chunk cycles old."""
+        probe = self.since_base >= self.probe_every
+        if self.base_ms is None:
+            return ChunkLimit(self.cap, self.floor, probe)
+        known = self._fresh_prices()
+        prices = tuple(ClassPrice(c, ms) for c in self.classes if (ms := self.estimate(c, known)) is not None)
+        if not prices:
+            return ChunkLimit(self.cap, self.floor, probe)
+        allowed_ms = (self.ratio - 1.0) * self.base_ms
+        # depth 0: the largest class that fits (the smallest where none does)
+        top = next((i for i in reversed(range(len(prices))) if prices[i].added_ms <= allowed_ms), 0)
+        return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], self.key_ms, allowed_ms)
 
     def limit(self) -> int:
-        """Launch tokens the next chunk's launch may hold: the largest class whose added time fits the ratio (the
-        smallest where none does; the cap until a base is measured)."""
-        if self.base_ms is None:
-            return self.cap
-        allowed_ms = (self.ratio - 1.0) * self.base_ms
-        known = self._fresh_prices()
-        for c in reversed(self.classes):
-            estimate = self.estimate(c, known)
-            if estimate is None or estimate <= allowed_ms:
-                return c
-        return self.classes[0]
+        """Launch tokens the next chunk's launch may hold at depth 0: the largest class whose added time fits the
+        ratio (the smallest where none does; the cap until a base is measured)."""
+        return self.next_limit().launch_tokens
 
     def estimate(self, c: int, known: dict[int, float] | None = None) -> float | None:
         """What a launch of class c adds: measured, or else the nearest fresh class below's (optimistic, as a
@@ -135,7 +188,8 @@ class ChunkBudget:
         return known[above] * c / above if above is not None else None
 
     def _fresh_prices(self) -> dict[int, float]:
-        return {k: v.added_ms for k, v in self.costs.items() if not self._stale(v)}
+        key_ms = self.key_ms
+        return {k: v.added_ms(key_ms) for k, v in self.costs.items() if not self._stale(v)}
 
     def _stale(self, cost: ClassCost) -> bool:
         return self.chunk_cycles - cost.seen_at >= self.stale_after

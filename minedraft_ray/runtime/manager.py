@@ -37,7 +37,7 @@ from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, WorkerSet, wait_for
-from .chunk_budget import ChunkBudget
+from .chunk_budget import ChunkBudget, PromptLaunch
 from .errors import EngineDeadError, EngineOverloadedError
 from .messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
                        VerifyTask)
@@ -150,7 +150,7 @@ class BatchManager:
         self._batch_end = [(0.0, -10, "", 0), (0.0, -10, "", 0)]
         self._prefills_done = 0
         self._prefill_ms = 0.0                         # prefill device time, reported with the next step
-        self._prefill_launches: list[int] = []         # prompt tokens of each of those prefill launches
+        self._prefill_launches: list[PromptLaunch] = []   # each of those prefill launches
         self.chunk_budget = self._chunk_budget(config)
         self._joined = 0                               # first tokens from prefills, reported with the next step
         self.history: deque[StepRecord] = deque(maxlen=100_000)
@@ -506,7 +506,7 @@ class BatchManager:
         if isinstance(task.plan, PrefillPlan):
             self._prefills_done += 1
             self._prefill_ms += result.device_ms
-            self._prefill_launches.append(task.plan.num_tokens)
+            self._prefill_launches.append(PromptLaunch(task.plan.num_tokens, task.plan.prior_keys))
             self.metrics.on_prefill(task.plan.num_tokens)
             self._commit_prefill(task.plan, result)
             return
@@ -530,12 +530,13 @@ class BatchManager:
                             batch=verify.batch, joined=joined)
         self._prefill_ms = 0.0
         record.prefill_launches, self._prefill_launches = tuple(self._prefill_launches), []   # this cycle's so far
-        record.prefill_tokens = sum(record.prefill_launches)
+        record.prefill_tokens = sum(launch.tokens for launch in record.prefill_launches)
         if verify.prefill is not None:   # inside t_verify_ms: the launch carried them
             record.extra["fused_prefill_tokens"] = verify.prefill.num_tokens
             record.prefill_tokens += verify.prefill.num_tokens
-            record.prefill_launches += (verify.prefill.num_tokens +
-                                        len(verify.rows) * self.sched.verify_width(verify.regime),)
+            record.prefill_launches += (PromptLaunch(
+                verify.prefill.num_tokens + len(verify.rows) * self.sched.verify_width(verify.regime),
+                verify.prefill.prior_keys),)
             self.metrics.on_prefill(verify.prefill.num_tokens)
         lengths = list(map(len, result.tokens))
         record.emitted = sum(lengths)

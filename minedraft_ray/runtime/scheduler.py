@@ -230,6 +230,12 @@ class PrefillPlan:
     def num_tokens(self) -> int:
         return sum(c.stop - c.start for c in self.chunks)
 
+    @property
+    def prior_keys(self) -> int:
+        """Each chunk's tokens x its start: the keys before their own that their queries read (a deep chunk's
+        cost, runtime/chunk_budget.py)."""
+        return sum((c.stop - c.start) * c.start for c in self.chunks)
+
 
 @dataclass(slots=True)   # built for every member every step: no frozen __setattr__, so cheap
 class DraftRow:
@@ -864,9 +870,13 @@ class Scheduler:
         rides = 0 < verify_tokens < room   # the budget leaves the verify's launch room for a chunk
         if rides:
             room -= verify_tokens
+        order = self._prefill_order(pending, mine)
         if decoding and self.chunk_limit is not None and self.config.prefill_budget:
-            room = min(room, self.chunk_limit.chunk_tokens(verify_tokens if rides else 0))
-        shares = self._prefill_shares(pending, room, mine)
+            def prior_keys(tokens: int) -> int:   # a chunk of that many tokens, dealt as the shares will be
+                return sum(take * start for take, start in self._deal(order, tokens).values())
+
+            room = min(room, self.chunk_limit.chunk_tokens(verify_tokens if rides else 0, prior_keys))
+        shares = self._prefill_shares(order, pending, room)
         chunks = []
         for s in pending:
             if not shares.get(id(s)):
@@ -899,23 +909,33 @@ class Scheduler:
                 self.unprefilled.remove(s)
         return prefill
 
-    def _prefill_shares(self, pending: list[RequestState], room: int, mine: set[int]) -> dict[int, int]:
-        """-> id(state) -> prompt tokens of its chunk in this task (`room` in all), and each prompt still waiting
-        after it counts the tokens given to those admitted after it (`RequestState.overtaken`).
-        `shortest`: due prompts first, in admission order, then (in psd, the batch just committed first) the
-        fewest tokens left first; `arrival`: in `pending`'s order."""
-        order = pending
-        if self.config.prefill_order is PrefillOrder.SHORTEST:
-            due = sorted((s for s in pending if self.prefill_due(s)), key=lambda s: s.admitted_at)
-            rest = sorted((s for s in pending if not self.prefill_due(s)),
-                          key=lambda s: (id(s) not in mine, s.prefill_len - s.prompt_planned, s.admitted_at))
-            order = due + rest
+    def _prefill_order(self, pending: list[RequestState], mine: set[int]) -> list[RequestState]:
+        """The order the prompts share a task's tokens in. `shortest`: due prompts first, in admission order, then
+        (in psd, the batch just committed first) the fewest tokens left first; `arrival`: `pending`'s order."""
+        if self.config.prefill_order is not PrefillOrder.SHORTEST:
+            return pending
+        due = sorted((s for s in pending if self.prefill_due(s)), key=lambda s: s.admitted_at)
+        rest = sorted((s for s in pending if not self.prefill_due(s)),
+                      key=lambda s: (id(s) not in mine, s.prefill_len - s.prompt_planned, s.admitted_at))
+        return due + rest
+
+    @staticmethod
+    def _deal(order: list[RequestState], room: int) -> dict[int, tuple[int, int]]:
+        """-> id(state) -> (prompt tokens of its chunk, where the chunk starts): `room` tokens dealt in `order`."""
         shares = {}
         for s in order:
             if room == 0:
                 break
-            shares[id(s)] = take = min(s.prefill_len - s.prompt_planned, room)
+            take = min(s.prefill_len - s.prompt_planned, room)
+            shares[id(s)] = (take, s.prompt_planned)
             room -= take
+        return shares
+
+    def _prefill_shares(self, order: list[RequestState], pending: list[RequestState], room: int) -> dict[int, int]:
+        """-> id(state) -> prompt tokens of its chunk in this task (`room` in all, dealt in `order`), and each
+        prompt still waiting after it counts the tokens given to those admitted after it
+        (`RequestState.overtaken`)."""
+        shares = {key: take for key, (take, _) in self._deal(order, room).items()}
         # the latest admitted first: each waiting prompt adds what went to those admitted after it
         later = 0
         for s in sorted(pending, key=lambda s: -s.admitted_at):

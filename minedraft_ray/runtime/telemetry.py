@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .chunk_budget import PromptLaunch
+
 
 @dataclass
 class StepRecord:
@@ -16,8 +18,7 @@ class StepRecord:
     t_verify_ms: float = 0.0
     t_prefill_ms: float = 0.0        # verifier device time of the prefill of admitted requests
     prefill_tokens: int = 0          # prompt tokens prefilled in this cycle (fused into the verify or before it)
-    prefill_launches: tuple[int, ...] = ()   # the tokens of each launch that carried them (a fused one's with
-                                             # the verify's)
+    prefill_launches: tuple[PromptLaunch, ...] = ()   # each launch that carried them
     chunk_limit: int | None = None   # the adaptive chunk's launch tokens for the steps after this one, if on
     step_ms: float = 0.0
     host_ms: float = 0.0             # manager time in the step not spent waiting on actors
