@@ -20,10 +20,11 @@
 # step times at the 8B shape, batches 1 and 32, its compile inside the limit.
 # Parts 2, 6 and 8 (and 9-12, which split them) ran at 237892e in session 22 (bench/results; git history).
 # PART 17 (#24): the adaptive chunk priced per launch class, ar and sd beside padded, with online_long's steps
-# (ran at 6a6e9ae).
-# PART 18 (#22): serve vs offline sd k=2 max_batch 256 with chunk_gap_ratio 1.5 (the burst's chunks held the P50).
-# Order for a 30-minute device budget: 16 (the gpt-fast peer, if not yet run), 18, 13 (#22's online load), 5; then
-# 17 again after a change to the chunk's pricing; 1, 3, 7.
+# (ran at 6a6e9ae, and at eb0c24e with depth-aware prices).
+# PART 18 (#22): serve vs offline sd k=2 max_batch 256 with chunk_gap_ratio 1.5 (ran at d971251: its offline half
+# delivered a third of the fixed budget's tok/s, and the HTTP half ran past the limit; not worth repeating as is).
+# Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 5; 17 again after a change to the chunk's
+# pricing; 1, 3, 7.
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,
