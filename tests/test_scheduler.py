@@ -354,6 +354,12 @@ def check_prefills(driver: Driver, prefills: list[PrefillPlan], decoding: bool, 
                 verify_tokens = riding.get(id(prefill), 0)
                 assert prefill.num_tokens <= limit.chunk_tokens(verify_tokens), (prefill.num_tokens, limit,
                                                                                    verify_tokens)
+                if limit.key_ms > 0 and limit.prices:   # and at its depth: its class's price and its prior keys fit
+                    smallest = max(limit.floor, limit.prices[0].launch_tokens - verify_tokens)
+                    if prefill.num_tokens > smallest:   # not the floor or the smallest class: a class that fits
+                        launch = prefill.num_tokens + verify_tokens
+                        price = next(p.added_ms for p in limit.prices if p.launch_tokens >= launch)
+                        assert price + limit.key_ms * prefill.prior_keys <= limit.allowed_ms, (prefill, limit)
         for c in prefill.chunks:
             assert driver.planned.get(id(c.state), c.state.cached_tokens) == c.start, \
                 f"{c.state.id}: chunk gap or overlap"
