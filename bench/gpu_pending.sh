@@ -25,6 +25,10 @@
 # delivered a third of the fixed budget's tok/s, and the HTTP half ran past the limit; not worth repeating as is).
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 5; 17 again after a change to the chunk's
 # pricing; 1, 3, 7.
+# A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
+# part that needs neither the default pair's weights nor the plots can leave them out of the copy: move
+# bench/results/default_pair and a few large bench/results/*.png aside for the call (a file missing from the
+# working tree does not travel), then put them back.
 # Parity needs a checkout of the parent at .parent (`git worktree add --detach .parent $PARENT_SHA`, carried with
 # the call; strip it to what runs: `rm -rf .parent/{bench/results,docs,tests,deployments,minedraft_ray/assets,minedraft_ray/training}`,
 # or the tree, the wheels and it pass the 64 MiB a call carries). Afterwards, on the CPU machine: bench.parity / serve_vs_offline --merge as their docstrings say,

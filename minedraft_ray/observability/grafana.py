@@ -170,7 +170,8 @@ def build_dashboard() -> Dashboard:
         .with_panel(_timeseries("Prompt chunk launch per step", "short", [
             (f"max by (replica) (ray_minedraft_prompt_chunk_limit_tokens{{{SEL}}})", "{{replica}}")],
             "tokens of the launch that carries a step's prompt chunk while requests decode: the budget, or the "
-            "adaptive launch (chunk_gap_ratio) priced from step times"))
+            "adaptive launch (chunk_gap_ratio) priced from step times, for a chunk at a prompt's start (deeper "
+            "chunks take less)"))
 
         .with_row(Row("Batches"))
         .with_panel(_timeseries("Batch sizes", "short", [

@@ -81,8 +81,8 @@ SERIES = {
                    "verifies), and what a preempted request recomputes when it resumes"),
     "ray_minedraft_prompt_chunk_limit_tokens": (
         "gauge", "tokens of the launch that carries a step's prompt chunk while requests decode (a fused chunk's with "
-                 "its verify's): the budget (prefill_chunk_tokens), or the adaptive launch below it (chunk_gap_ratio); "
-                 "not exported without chunking"),
+                 "its verify's): the budget (prefill_chunk_tokens), or the adaptive launch below it (chunk_gap_ratio) for "
+                 "a chunk at a prompt's start, deeper ones taking less; not exported without chunking"),
     "ray_minedraft_queue_depth": ("gauge", "requests waiting for a slot"),
     "ray_minedraft_running_requests": ("gauge", "requests in the batches"),
     "ray_minedraft_slots_in_use": ("gauge", "KV slots held"),
