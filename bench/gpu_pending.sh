@@ -23,8 +23,12 @@
 # (ran at 6a6e9ae, and at eb0c24e with depth-aware prices).
 # PART 18 (#22): serve vs offline sd k=2 max_batch 256 with chunk_gap_ratio 1.5 (ran at d971251: its offline half
 # delivered a third of the fixed budget's tok/s, and the HTTP half ran past the limit; not worth repeating as is).
-# Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 5; 17 again after a change to the chunk's
-# pricing; 1, 3, 7.
+# PART 19 (#24): the packed kernel's key splits for deep chunks (CONFIG.PREFILL_WAVES 1, 2, 4, 8 through
+# MINEDRAFT_ATTN_CONFIG): the fused step profile of 32 rows with a 256-token launch at chunk starts 0, 1024, 2816.
+# A chunk deep in a long prompt ran its attention at ~86 TFLOP/s (real_traffic_steps at 6a6e9ae): 112 programs of
+# 64 rows split only in two, each walking ~1,000 keys alone.
+# Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
+# chunk's pricing or the kernel; 1, 3, 7.
 # A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
 # part that needs neither the default pair's weights nor the plots can leave them out of the copy: move
 # bench/results/default_pair and a few large bench/results/*.png aside for the call (a file missing from the
@@ -113,10 +117,17 @@ case "${1:?PART}" in
     --loads '' --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --chunk-gap-ratio 1.5 --label direct-r1.5 \
     --out "$OUT/serve_sd256_adaptive"
   ;;
+19)
+  for waves in 1 2 4 8; do
+    step "fused_profile_waves$waves" 120 env MINEDRAFT_ATTN_CONFIG="{\"PREFILL_WAVES\": $waves}" \
+      python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 --kernel-chunks 256 \
+      --out "$OUT/fused_profile_waves$waves"
+  done
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17 or 18" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17, 18 or 19" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

@@ -507,6 +507,10 @@ def test_short_prefill_launches_split_their_keys():
     assert prefill_splits(16, 4, 8, 64, 64, 4096, 132) == 17         # 8 programs
     assert prefill_splits(16, 4, 8, 64, 64, 256, 132) == 4           # no more splits than key tiles
     assert prefill_splits(1, 4, 8, 64, 64, 1 << 20, 132) == 17
+    # more waves (MINEDRAFT_ATTN_CONFIG's PREFILL_WAVES): a chunk beside 32 rows splits further
+    assert prefill_splits(224, 4, 8, 64, 64, 4096, 132) == 2         # 112 programs
+    assert prefill_splits(224, 4, 8, 64, 64, 4096, 132, waves=4) == 5
+    assert prefill_splits(2112, 4, 8, 64, 64, 4096, 132, waves=4) == 1   # 1056 programs: four waves already
 
 
 @interpreter_only

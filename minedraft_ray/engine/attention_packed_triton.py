@@ -128,15 +128,17 @@ def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: 
 
 
 def prefill_splits(tokens: int, groups: int, kv_heads: int, block_m: int, block_n: int, max_keys: int,
-                   sm_count: int) -> int:
+                   sm_count: int, waves: int | None = None) -> int:
     """Key splits for a launch of prefill blocks: one while its programs fill the SMs; more for a short launch
     (a small chunk, a suffix over a cached prefix), whose few programs would each walk a long prefix alone while
-    most SMs idle. One wave, not a decode step's two: a short launch's tokens are often a fresh prompt with few
-    keys, whose extra splits only exit empty."""
+    most SMs idle. One wave by default (CONFIG.PREFILL_WAVES), not a decode step's two: a short launch's tokens
+    are often a fresh prompt with few keys, whose extra splits only exit empty; a chunk deep in a long prompt
+    is the case for more, which the GPU profile decides."""
+    waves = waves or CONFIG.PREFILL_WAVES
     programs = triton.cdiv(tokens * groups, block_m) * kv_heads
-    if programs >= sm_count:
+    if programs >= waves * sm_count:
         return 1
-    return max(1, min(triton.cdiv(sm_count, programs), triton.cdiv(max_keys, block_n), CONFIG.MAX_SPLITS))
+    return max(1, min(triton.cdiv(waves * sm_count, programs), triton.cdiv(max_keys, block_n), CONFIG.MAX_SPLITS))
 
 
 def rows_launch_shape(tokens: int, width: int, groups: int, kv_heads: int, head_dim: int, max_keys: int,

@@ -38,6 +38,7 @@ class LaunchConfig:
     num_stages: int = 2  # software-pipeline depth of the K/V tile loads
     TARGET_WAVES: int = 2  # stage-1 programs per SM we aim for when choosing the number of splits
     MAX_SPLITS: int = 64
+    PREFILL_WAVES: int = 1  # programs per SM a short prefill launch's key splits aim for (packed kernel)
 
 
 def config_from_env() -> LaunchConfig:
