@@ -872,8 +872,9 @@ class Scheduler:
             room -= verify_tokens
         order = self._prefill_order(pending, mine)
         if decoding and self.chunk_limit is not None and self.config.prefill_budget:
-            def prior_keys(tokens: int) -> int:   # a chunk of that many tokens (at most the room), dealt as the
-                return sum(take * start for take, start in self._deal(order, min(tokens, room)).values())  # shares
+            def prior_keys(tokens: int) -> int:
+                """Of a chunk of that many tokens (at most the room), dealt as the shares will be."""
+                return sum(take * start for take, start in self._deal(order, min(tokens, room)).values())
 
             room = min(room, self.chunk_limit.chunk_tokens(verify_tokens if rides else 0, prior_keys))
         shares = self._prefill_shares(order, pending, room)
