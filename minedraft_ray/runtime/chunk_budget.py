@@ -38,7 +38,6 @@ Pure: the manager feeds it each verify's cycle and the launches in it that carri
 scheduler `next_limit()` (Scheduler.chunk_limit)."""
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import deque
@@ -145,8 +144,9 @@ class ChunkBudget:
         sample = (cycle_ms - self.base_ms, launch.prior_keys)
         known = self.costs.get(c)
         earlier = () if known is None or self._stale(known) else known.recent
-        self.slopes.extend((b[0] - a[0]) / (b[1] - a[1]) for a, b in itertools.product(earlier, (sample,))
-                           if abs(b[1] - a[1]) >= MIN_SPREAD * max(a[1], b[1], 1))
+        added, keys = sample
+        self.slopes.extend((added - a) / (keys - k) for a, k in earlier
+                           if abs(keys - k) >= MIN_SPREAD * max(keys, k, 1))
         self.costs[c] = ClassCost((*earlier, sample)[-DEPTH_SAMPLES:], self.chunk_cycles)
 
     @property
@@ -160,14 +160,15 @@ class ChunkBudget:
         probe = self.since_base >= self.probe_every
         if self.base_ms is None:
             return ChunkLimit(self.cap, self.floor, probe)
-        known = self._fresh_prices()
+        key_ms = self.key_ms
+        known = self._fresh_prices(key_ms)
         prices = tuple(ClassPrice(c, ms) for c in self.classes if (ms := self.estimate(c, known)) is not None)
         if not prices:
             return ChunkLimit(self.cap, self.floor, probe)
         allowed_ms = (self.ratio - 1.0) * self.base_ms
         # depth 0: the largest class that fits (the smallest where none does)
         top = next((i for i in reversed(range(len(prices))) if prices[i].added_ms <= allowed_ms), 0)
-        return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], self.key_ms, allowed_ms)
+        return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], key_ms, allowed_ms)
 
     def limit(self) -> int:
         """Launch tokens the next chunk's launch may hold at depth 0: the largest class whose added time fits the
@@ -187,8 +188,8 @@ class ChunkBudget:
         above = min((k for k in known if k > c), default=None)
         return known[above] * c / above if above is not None else None
 
-    def _fresh_prices(self) -> dict[int, float]:
-        key_ms = self.key_ms
+    def _fresh_prices(self, key_ms: float | None = None) -> dict[int, float]:
+        key_ms = self.key_ms if key_ms is None else key_ms
         return {k: v.added_ms(key_ms) for k, v in self.costs.items() if not self._stale(v)}
 
     def _stale(self, cost: ClassCost) -> bool:
