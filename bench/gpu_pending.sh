@@ -26,7 +26,11 @@
 # PART 19 (#24): the packed kernel's key splits for deep chunks (CONFIG.PREFILL_WAVES 1, 2, 4, 8 through
 # MINEDRAFT_ATTN_CONFIG): the fused step profile of 32 rows with a 256-token launch at chunk starts 0, 1024, 2816.
 # A chunk deep in a long prompt ran its attention at ~86 TFLOP/s (real_traffic_steps at 6a6e9ae): 112 programs of
-# 64 rows split only in two, each walking ~1,000 keys alone.
+# 64 rows split only in two, each walking ~1,000 keys alone. (Ran at 5cf5fb7: more splits bought nothing; the
+# kernel's own time per tile is the cost.)
+# PART 20 (#24): bench.packed_attention, the kernel with unmasked tiles below each block's earliest position vs the
+# kernel before it (`mkdir -p .baseline && git show 5cf5fb7:minedraft_ray/engine/attention_packed_triton.py >
+# .baseline/attention_packed_triton.py` before the call: an untracked file travels) and SDPA; the fused profile.
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
 # chunk's pricing or the kernel; 1, 3, 7.
 # A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
@@ -124,10 +128,18 @@ case "${1:?PART}" in
       --out "$OUT/fused_profile_waves$waves"
   done
   ;;
+20)  # #24: the packed kernel's unmasked tiles (keys below a block's earliest position) against the kernel before
+     # them (--baseline: a copy of 5cf5fb7's, made before the call as below) and torch's flash SDPA, over tiles,
+     # stages and splits; then the fused step profile at the defaults (part 19's waves1 is the kernel before)
+  base=.baseline/attention_packed_triton.py
+  step packed_attention 330 python -m bench.packed_attention --baseline "$base" --out "$OUT/packed_attention"
+  step fused_profile 120 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
+    --kernel-chunks 256 --out "$OUT/fused_profile"
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17, 18 or 19" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17, 18, 19 or 20" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

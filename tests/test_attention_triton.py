@@ -239,6 +239,18 @@ def test_packed_matches_reference(attend_packed_cpu, dtype, groups, block_m, blo
 
 
 @interpreter_only
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_packed_chunks_starting_at_tile_edges(attend_packed_cpu, block_m, num_splits):
+    """Keys up to a block's earliest position are read without the causal mask, in whole tiles: chunks starting
+    one before, at and one past a tile's end (16 keys) check the masked remainder starts where it must."""
+    case = make_packed_case([(0, 14, 3), (1, 15, 2), (2, 16, 4), (3, 30, 5), (4, 31, 2), (5, 17, 9)], groups=2,
+                            head_dim=16, dtype=torch.float32)
+    out = paged(attend_packed_cpu, case, 4, scale=0.25, block_m=block_m, block_n=16, num_splits=num_splits)
+    torch.testing.assert_close(out, reference_packed(*case, scale=0.25), **TOL[torch.float32])
+
+
+@interpreter_only
 def test_packed_padding_tokens_share_a_row(attend_packed_cpu):
     # several tokens at the same (slot, position), as graph padding is: each sees that one key
     case = make_packed_case([(4, 0, 5), (1, 0, 1)], groups=2, head_dim=16, dtype=torch.float32)

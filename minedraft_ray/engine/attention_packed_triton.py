@@ -18,7 +18,9 @@ A block of rows may straddle a request boundary. The program then walks the dist
 masking the other rows out; the per-row softmax state carries over the passes. Inside one request the block
 reads only up to its last row's position, so causal work is skipped without a per-request launch plan, and
 the grid depends on T alone. Keys are read through the slot's block table, key by key (as in
-attention_triton.py), so tiles need not align with blocks.
+attention_triton.py), so tiles need not align with blocks. Within a pass, the whole tiles of keys up to the
+earliest of its rows' positions are visible to every one of them and run without the causal mask; only the
+tiles after (the diagonal, a split's ragged end) compute it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .attention_triton import CONFIG, _combine_kernel, num_sms
 
 LOG2E = 1.4426950408889634
 NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done never win the min
+SHUT = tl.constexpr(-1.0e30)  # added to the scores of rows outside a pass: exp2 of it is 0, and it stays finite
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _attend_packed_kernel(
     stride_table,
     BS: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     # ROWS <= BLOCK_M consecutive (token, group member) rows per program: BLOCK_M (prefill blocks) or a row's W * G
     m_block = tl.program_id(0).to(tl.int64)
@@ -65,6 +68,8 @@ def _attend_packed_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
+    k_base = k_ptr + h * stride_kh
+    v_base = v_ptr + h * stride_vh
     pending = row_ok
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         current = tl.min(tl.where(pending, slot, NO_SLOT), axis=0)
@@ -74,13 +79,38 @@ def _attend_packed_kernel(
         piece = tl.cdiv(tl.cdiv(live, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = split * piece
         end = tl.minimum(start + piece, live)
+        # Whole tiles of keys up to the earliest of these rows' positions are visible to all of them: that loop
+        # runs without the causal mask, the rest (the diagonal, the split's ragged end) with it. Rows of other
+        # slots are pushed far below instead (SHUT, finite so no NaN): a row still pending gets a placeholder
+        # state that its own pass wipes (alpha = 0); a finished row's state is left as it was (p = 0).
+        earliest = tl.min(tl.where(mine, pos, R), axis=0)
+        full_end = start + tl.maximum(tl.minimum(end, earliest + 1) - start, 0) // BLOCK_N * BLOCK_N
+        shut = tl.where(mine, 0.0, SHUT)
         table = table_ptr + current.to(tl.int64) * stride_table
-        k_base = k_ptr + h * stride_kh
-        v_base = v_ptr + h * stride_vh
-        for n0 in range(start, end, BLOCK_N):  # empty when this split starts past the slot's live keys
+        for n0 in range(start, full_end, BLOCK_N):
+            n = n0 + offs_n
+            block = tl.load(table + n // BS).to(tl.int64)  # [BLOCK_N] physical blocks
+            k_row = block * stride_kb + (n % BS) * stride_kn
+            v_row = block * stride_vb + (n % BS) * stride_vn
+            if EVEN_D:
+                k = tl.load(k_base + k_row[:, None] + d[None, :])
+            else:
+                k = tl.load(k_base + k_row[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale + shut[:, None]
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            p = tl.math.exp2(qk - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if EVEN_D:
+                v = tl.load(v_base + v_row[:, None] + d[None, :])
+            else:
+                v = tl.load(v_base + v_row[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        for n0 in range(full_end, end, BLOCK_N):  # empty when this split starts past the slot's live keys
             n = n0 + offs_n
             kv_mask = (n < end)[:, None] & d_ok[None, :]
-            block = tl.load(table + n // BS, mask=n < end, other=0).to(tl.int64)  # [BLOCK_N] physical blocks
+            block = tl.load(table + n // BS, mask=n < end, other=0).to(tl.int64)
             k_row = block * stride_kb + (n % BS) * stride_kn
             v_row = block * stride_vb + (n % BS) * stride_vn
             k = tl.load(k_base + k_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -98,7 +128,7 @@ def _attend_packed_kernel(
             m_i = m_new
         pending = pending & (slot != current)
 
-    seen = l_i > 0
+    seen = m_i > SHUT / 2  # a row that saw only other slots' keys (a split past its own) holds a placeholder
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_row = ti * HQ + head  # [BLOCK_M] row of the contiguous [T, Hq] output
     if DIRECT:
@@ -162,14 +192,14 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          token_slots: torch.Tensor, positions: torch.Tensor, scale: float, *,
                          row_width: int | None = None, block_m: int | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_splits: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         num_stages: int = 2, out: torch.Tensor | None = None) -> torch.Tensor:
     """Token t attends keys 0..positions[t] (inclusive) of slot token_slots[t].
 
     q: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [NB, BS, Hkv, D] (a pool of blocks); block_tables:
     [S, W] int64; token_slots, positions: [T] int64.
     Returns contiguous [T, Hq, D] in q's dtype (`out` when given). row_width: the tokens are a fused step's
     decode/verify rows of that many tokens each (rows_launch_shape: a program per row, keys split); else prefill
-    blocks (launch_shape). `block_m`/`block_n`/`num_warps`/`num_splits` override those (tests use them to make
+    blocks (launch_shape). `block_m`/`block_n`/`num_warps`/`num_splits`/`num_stages` override those (tests use them to make
     blocks straddle requests on tiny shapes; benchmarks to time other tiles).
     """
     T, Hq, D = q.shape
@@ -213,8 +243,8 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         BS=BS, G=G, HQ=Hq, D=D, BLOCK_D=block_d, BLOCK_M=block_m, ROWS=rows, BLOCK_N=block_n, DIRECT=direct,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        EVEN_D=block_d == D, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _combine_kernel[(T * Hq,)](
