@@ -31,6 +31,8 @@
 # PART 20 (#24): bench.packed_attention, the kernel with unmasked tiles below each block's earliest position vs the
 # kernel before it (`mkdir -p .baseline && git show 5cf5fb7:minedraft_ray/engine/attention_packed_triton.py >
 # .baseline/attention_packed_triton.py` before the call: an untracked file travels) and SDPA; the fused profile.
+# (Ran at 10c356c: the unmasked tiles 0.90x the time; 4 warps instead of 8 on the 64-row tile half again.)
+# PARTS 21 and 22 (#24): the 4-warp tiles at larger launches, the fused profile and real traffic ar (21), sd (22).
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
 # chunk's pricing or the kernel; 1, 3, 7.
 # A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
@@ -136,10 +138,23 @@ case "${1:?PART}" in
   step fused_profile 120 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
     --kernel-chunks 256 --out "$OUT/fused_profile"
   ;;
+21)  # #24: 64 x 64 tiles on 4 warps at every launch (part 20: twice as fast as 8 warps on chunks deep in a prompt),
+     # checked at larger launches beside the kernel before (.baseline, as part 20), then real traffic ar
+  step packed_attention 150 python -m bench.packed_attention --baseline .baseline/attention_packed_triton.py \
+    --chunks 64,256,1024,2048 --starts 0,1024,2816 --out "$OUT/packed_attention"
+  step fused_profile 100 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
+    --kernel-chunks 256 --out "$OUT/fused_profile"
+  step real_traffic_ar_classes 270 python -m bench.real_traffic --modes ar --engines padded,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_ar_classes"
+  ;;
+22)  # #24: part 21's kernel in real traffic sd
+  step real_traffic_sd_classes 290 python -m bench.real_traffic --modes sd --engines padded,fused:512@2 \
+    --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_sd_classes"
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13, 14, 15, 16, 17, 18, 19 or 20" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13-22" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

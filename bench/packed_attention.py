@@ -40,7 +40,8 @@ COLUMNS = ["kernel", "chunk", "start", "block_m", "block_n", "num_warps", "num_s
 
 def load_baseline(path: str):
     """attend_packed_triton of an earlier copy of attention_packed_triton.py (its relative import made absolute)."""
-    source = Path(path).read_text().replace("from .attention_triton import", "from minedraft_ray.engine.attention_triton import")
+    source = Path(path).read_text().replace("from .attention_triton import",
+                                            "from minedraft_ray.engine.attention_triton import")
     spec = importlib.util.spec_from_loader("baseline_packed", loader=None)
     module = importlib.util.module_from_spec(spec)
     exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102 - a file of this repository's history
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default=None, help="an earlier attention_packed_triton.py to time beside")
     p.add_argument("--out", default=None, help="default bench/results; smoke: /tmp/packed_attention_smoke")
+    p.add_argument("--chunks", default=None, help="chunk tokens, comma separated (default 64,128,256,512)")
+    p.add_argument("--starts", default=None, help="prompt tokens before the chunk (default 0,1024,2816)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, 2 variants, Triton interpreter on the CPU")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available()
@@ -208,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     import pyarrow.parquet as pq
 
     device = torch.device("cuda" if on_gpu else "cpu")
-    shape = SMOKE if args.smoke else FULL
+    shape = dict(SMOKE if args.smoke else FULL)
+    for name in ("chunks", "starts"):
+        if getattr(args, name):
+            shape[name] = tuple(int(x) for x in getattr(args, name).split(","))
     out = Path(args.out or ("/tmp/packed_attention_smoke" if args.smoke else "bench/results"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

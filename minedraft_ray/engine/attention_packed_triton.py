@@ -146,15 +146,14 @@ def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: 
                  sm_count: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a launch of `tokens` query tokens (a CUDA graph's shape fixes them).
 
-    16-bit heads up to 128 wide: 128-row tiles (each K/V tile read serves more rows) once 128-row programs alone
-    give every SM one; a shorter launch (a suffix over a long cached prefix, a small chunk) walks the same keys
-    with half the rows per program, so twice the programs share the streaming. Wider heads or fp32: smaller
-    tiles, so the q tile, accumulator and pipelined K/V tiles fit registers and shared memory."""
+    16-bit heads up to 128 wide: 64 x 64 tiles on 4 warps at every launch size. With the causal mask confined to
+    the diagonal tiles, that is the fastest tile (or within a few percent of it) from fresh prompts to chunks
+    deep in long ones, and well ahead of 8 warps on the same tile or 128-row tiles (bench/results/packed_attention.md).
+    Wider heads or fp32: smaller key tiles, so the q tile, accumulator and pipelined K/V tiles fit registers and
+    shared memory. `tokens` and `sm_count` stay in the signature for the tile rules the benchmarks compare."""
     if head_dim > 128 or dtype.itemsize > 2:
         return 64, 32, 4
-    if -(-tokens * groups // 128) * kv_heads >= sm_count:
-        return 128, 64, 8
-    return 64, 64, 8
+    return 64, 64, 4
 
 
 def prefill_splits(tokens: int, groups: int, kv_heads: int, block_m: int, block_n: int, max_keys: int,
