@@ -140,11 +140,11 @@ case "${1:?PART}" in
   ;;
 21)  # #24: 64 x 64 tiles on 4 warps at every launch (part 20: twice as fast as 8 warps on chunks deep in a prompt),
      # checked at larger launches beside the kernel before (.baseline, as part 20), then real traffic ar
-  step packed_attention 150 python -m bench.packed_attention --baseline .baseline/attention_packed_triton.py \
+  step packed_attention 120 python -m bench.packed_attention --baseline .baseline/attention_packed_triton.py \
     --chunks 64,256,1024,2048 --starts 0,1024,2816 --out "$OUT/packed_attention"
-  step fused_profile 100 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
+  step fused_profile 80 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
     --kernel-chunks 256 --out "$OUT/fused_profile"
-  step real_traffic_ar_classes 270 python -m bench.real_traffic --modes ar --engines padded,fused:512@2 \
+  step real_traffic_ar_classes 330 python -m bench.real_traffic --modes ar --engines padded,fused:512@2,fused:512@1.7 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_ar_classes"
   ;;
 22)  # #24: part 21's kernel in real traffic sd
