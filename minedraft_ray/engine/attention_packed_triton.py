@@ -161,8 +161,7 @@ def prefill_splits(tokens: int, groups: int, kv_heads: int, block_m: int, block_
     """Key splits for a launch of prefill blocks: one while its programs fill the SMs; more for a short launch
     (a small chunk, a suffix over a cached prefix), whose few programs would each walk a long prefix alone while
     most SMs idle. One wave by default (CONFIG.PREFILL_WAVES), not a decode step's two: a short launch's tokens
-    are often a fresh prompt with few keys, whose extra splits only exit empty; a chunk deep in a long prompt
-    is the case for more, which the GPU profile decides."""
+    are often a fresh prompt with few keys, whose extra splits only exit empty while their merge still costs."""
     waves = waves or CONFIG.PREFILL_WAVES
     programs = triton.cdiv(tokens * groups, block_m) * kv_heads
     if programs >= waves * sm_count:
