@@ -202,7 +202,8 @@ def step_trace(records, mode: str, engine: str, workload: str, context: dict) ->
              "prefill_tokens": r.prefill_tokens, "prefill_launches": len(r.prefill_launches),
              "launch_tokens": max((launch.tokens for launch in r.prefill_launches), default=0),
              "prior_keys": sum(launch.prior_keys for launch in r.prefill_launches),
-             "chunk_limit": r.chunk_limit, "chunk_key_ms": r.chunk_key_ms, "host_ms": r.host_ms,
+             "chunk_limit": r.chunk_limit, "chunk_key_ms": r.chunk_key_ms,
+             "chunk_margin": r.chunk_margin, "host_ms": r.host_ms,
              "launch_gap_ms": r.launch_gap_ms}
             for i, r in enumerate(records)]
 
@@ -489,7 +490,8 @@ def write_steps(out: Path, steps: list[dict]) -> None:
            "the largest launch that carried prompt tokens in it (a fused one's with its verify's tokens); prior_keys: "
            "its launches' chunks' tokens x their starts (the keys before their own that they read: a chunk's depth); "
            "chunk_limit: the adaptive chunk's launch tokens for the steps after it (chunk_gap_ratio), at depth 0; "
-           "chunk_key_ms: what it priced a prior key at"]
+           "chunk_key_ms: what it priced a prior key at; chunk_margin: what its predicted cycles were scaled by (the "
+           "90th percentile of what its recent predictions missed by)"]
     path.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         from bench.plot import PLOTS

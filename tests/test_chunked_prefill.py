@@ -161,6 +161,7 @@ def test_the_adaptive_chunk_is_sized_from_the_engines_step_times(ray_cluster, ti
         longest = max(map(len, PROMPTS)) + 8   # tokens at most (a token per byte, and the specials)
         assert all(0 <= launch.prior_keys < launch.tokens * longest for launch in launches), launches
         assert all(r.chunk_key_ms is not None and r.chunk_key_ms >= 0 for r in records)
+        assert all(r.chunk_margin is not None and r.chunk_margin >= 1.0 for r in records)
         print(f"step with a chunk / without: fixed 64 tokens {step_ratio(fixed_records):.2f}, adaptive (ratio 1.5) "
               f"{step_ratio(records):.2f}; limits {settled_limits}")
     finally:

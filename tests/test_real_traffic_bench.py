@@ -80,7 +80,8 @@ def test_smoke(ray_cluster, tmp_path):
     steps = pq.read_table(tmp_path / "real_traffic_steps.parquet").to_pylist()
     assert {r["engine"] for r in steps} == {"padded", "chunked", "fused@1.5"}
     adaptive = [r for r in steps if r["engine"] == "fused@1.5"]
-    assert all(r["chunk_limit"] is not None and r["chunk_key_ms"] is not None for r in adaptive)
+    assert all(r["chunk_limit"] is not None and r["chunk_key_ms"] is not None and r["chunk_margin"] is not None
+               for r in adaptive)
     assert all(r["step_ms"] > 0 for r in steps)
     assert all(r["chunk_limit"] is None for r in steps if r["engine"] != "fused@1.5")
     assert all((r["prefill_launches"] > 0) == (r["prefill_tokens"] > 0) for r in steps)

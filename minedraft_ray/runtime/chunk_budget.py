@@ -26,6 +26,14 @@ cycle), a class's price the median of its recent launches' times less their dept
 knows where each prompt's next chunk starts, asks the limit for the largest class whose price plus its chunk's
 depth fits.
 
+The prices are medians, so about half the cycles they size run over what they were sized to, and a cycle without a
+chunk varies by itself (the base is an average): a limit sized to the ratio would hold it at the median cycle, not
+at the tail the ratio is meant for. So the budget also keeps what its own predictions missed by: each cycle of a
+class already priced is compared with the cycle predicted for it (the base plus the class's price at the chunk's
+depth), and a class fits when its predicted cycle times the `MARGIN_QUANTILE` of the last `ERRORS` such ratios
+(`margin`, at least 1) is within ratio x base. A model that predicts well keeps its chunks; one that misses widely
+takes smaller ones, as much smaller as it misses.
+
 The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
 progress whatever the times say.
@@ -50,6 +58,9 @@ RECENT = 3   # a class's last cycles, whose median prices it
 DEPTH_SAMPLES = 8   # a class's last cycles, whose pairs at different depths give key_ms's slopes
 SLOPES = 64         # the newest slopes, whose median is key_ms
 MIN_SPREAD = 0.25   # a pair's prior keys differ by at least this share of the larger, or its slope is noise
+ERRORS = 32             # the newest cycles measured against their prediction, whose quantile is the margin
+MIN_ERRORS = 8          # fewer: no margin (1)
+MARGIN_QUANTILE = 0.9   # of the measured / predicted cycle ratios: the margin a class's predicted cycle takes
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
 
@@ -78,6 +89,7 @@ class ChunkLimit:
     prices: tuple[ClassPrice, ...] = ()
     key_ms: float = 0.0
     allowed_ms: float = math.inf
+    margin: float = 1.0   # what the allowed time was divided by (ChunkBudget.margin): a record of it
 
     def chunk_tokens(self, verify_tokens: int, prior_keys: Callable[[int], int] | None = None) -> int:
         """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch).
@@ -119,6 +131,7 @@ class ChunkBudget:
     base_ms: float | None = None        # a verifier cycle without a prompt chunk
     costs: dict[int, ClassCost] = field(default_factory=dict)
     slopes: deque = field(default_factory=lambda: deque(maxlen=SLOPES))   # ms per prior key, newest last
+    errors: deque = field(default_factory=lambda: deque(maxlen=ERRORS))   # measured / predicted cycles, newest last
     chunk_cycles: int = 0               # cycles with chunks, all told
     since_base: int = 0                 # cycles with chunks since the last one without
 
@@ -144,10 +157,24 @@ class ChunkBudget:
         sample = (cycle_ms - self.base_ms, launch.prior_keys)
         known = self.costs.get(c)
         earlier = () if known is None or self._stale(known) else known.recent
+        if earlier:   # a class already priced: how far the cycle its price predicted was off
+            key_ms = self.key_ms
+            predicted = self.base_ms + known.added_ms(key_ms) + key_ms * launch.prior_keys
+            if predicted > 0.0:
+                self.errors.append(cycle_ms / predicted)
         added, keys = sample
         self.slopes.extend((added - a) / (keys - k) for a, k in earlier
                            if abs(keys - k) >= MIN_SPREAD * max(keys, k, 1))
         self.costs[c] = ClassCost((*earlier, sample)[-DEPTH_SAMPLES:], self.chunk_cycles)
+
+    @property
+    def margin(self) -> float:
+        """What a predicted cycle is scaled by before it is held to the ratio: the MARGIN_QUANTILE of the recent
+        measured / predicted ratios, at least 1 (1 until MIN_ERRORS are measured)."""
+        if len(self.errors) < MIN_ERRORS:
+            return 1.0
+        errors = sorted(self.errors)
+        return max(1.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])
 
     @property
     def key_ms(self) -> float:
@@ -165,10 +192,11 @@ class ChunkBudget:
         prices = tuple(ClassPrice(c, ms) for c in self.classes if (ms := self.estimate(c, known)) is not None)
         if not prices:
             return ChunkLimit(self.cap, self.floor, probe)
-        allowed_ms = (self.ratio - 1.0) * self.base_ms
+        margin = self.margin
+        allowed_ms = self.ratio * self.base_ms / margin - self.base_ms   # margin x (base + added) <= ratio x base
         # depth 0: the largest class that fits (the smallest where none does)
         top = next((i for i in reversed(range(len(prices))) if prices[i].added_ms <= allowed_ms), 0)
-        return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], key_ms, allowed_ms)
+        return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], key_ms, allowed_ms, margin)
 
     def limit(self) -> int:
         """Launch tokens the next chunk's launch may hold at depth 0: the largest class whose added time fits the

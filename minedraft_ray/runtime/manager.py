@@ -598,6 +598,7 @@ class BatchManager:
             # a probe step's too (it plans no chunk); psd's split halves the budget, and so what may run
             record.chunk_limit = min(s.chunk_limit.launch_tokens, s.launch_budget())
             record.chunk_key_ms = s.chunk_limit.key_ms
+            record.chunk_margin = s.chunk_limit.margin
         # the verifier's idle time before this task began (Ray turnaround, or the task arrived late)
         record.launch_gap_ms = (result.t_launch - self._last_end) * 1e3 if self._last_end else 0.0
         self._last_end = result.t_end

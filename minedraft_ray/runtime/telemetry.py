@@ -21,6 +21,7 @@ class StepRecord:
     prefill_launches: tuple[PromptLaunch, ...] = ()   # each launch that carried them
     chunk_limit: int | None = None   # the adaptive chunk's launch tokens for the steps after this one, if on
     chunk_key_ms: float | None = None   # and what it prices a prior key at (a deep chunk's cost)
+    chunk_margin: float | None = None   # and the margin its predicted cycles take (what they missed by)
     step_ms: float = 0.0
     host_ms: float = 0.0             # manager time in the step not spent waiting on actors
     launch_gap_ms: float = 0.0       # verifier: start of this task - end of the previous verify
