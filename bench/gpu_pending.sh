@@ -32,7 +32,8 @@
 # kernel before it (`mkdir -p .baseline && git show 5cf5fb7:minedraft_ray/engine/attention_packed_triton.py >
 # .baseline/attention_packed_triton.py` before the call: an untracked file travels) and SDPA; the fused profile.
 # (Ran at 10c356c: the unmasked tiles 0.90x the time; 4 warps instead of 8 on the 64-row tile half again.)
-# PARTS 21 and 22 (#24): the 4-warp tiles at larger launches, the fused profile and real traffic ar (21), sd (22).
+# PARTS 21 and 22 (#24): the 4-warp tiles at larger launches, the fused profile and real traffic ar (21), sd (22),
+# with the chunk budget's margin (what its predictions missed by).
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
 # chunk's pricing or the kernel; 1, 3, 7.
 # A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
@@ -144,7 +145,7 @@ case "${1:?PART}" in
     --chunks 64,256,1024,2048 --starts 0,1024,2816 --out "$OUT/packed_attention"
   step fused_profile 80 python -m bench.fused_step_profile --batches 32 --chunks 0,256 --chunk-starts 0,1024,2816 \
     --kernel-chunks 256 --out "$OUT/fused_profile"
-  step real_traffic_ar_classes 330 python -m bench.real_traffic --modes ar --engines padded,fused:512@2,fused:512@1.7 \
+  step real_traffic_ar_classes 300 python -m bench.real_traffic --modes ar --engines padded,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_ar_classes"
   ;;
 22)  # #24: part 21's kernel in real traffic sd
