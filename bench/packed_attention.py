@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "packed_attention.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     print(f"wrote {out}/packed_attention.{{parquet,md,png}}")
-    return 0 if not any(r.get("status") == "wrong output" for r in rows) else 1
+    # a variant may fail to compile on a GPU (shared memory); the launch's own must run, and nothing may be wrong
+    default_ok = all(r.get("status") == "ok" for r in rows if r["kernel"] == "current, default")
+    return 0 if default_ok and not any(r.get("status") == "wrong output" for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def test_paged_kv_smoke(smokes):
     assert static["requests"] < whole["requests"] < admitted["requests"]
     assert whole["requests"] * whole["mean_tokens"] <= whole["kv_tokens"]
     assert all(r["step_ms"] > 0 for r in rows if r["part"] in ("decode", "tiles"))
-    assert [r["chosen"] for r in rows if r["part"] == "tiles"] == ["64x64/8w"] * 2
+    assert [r["chosen"] for r in rows if r["part"] == "tiles"] == ["64x64/4w"] * 2
     assert (tmp_path / "paged_kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -169,6 +169,23 @@ def test_fused_step_profile_smoke(smokes):
     assert header == "| kernel | decode | fused 8@0 | fused 8@24 | fused 16@0 | fused 16@24 |"
     assert "| total (all kernels) |" in md
     assert (tmp_path / "fused_step_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_packed_attention_smoke(tmp_path):
+    """The packed kernel's tuner in its --smoke form (a process of its own: Triton's interpreter must be chosen
+    before Triton is first imported): every variant, the launch's own and a baseline file's (here the current one,
+    through the loader) at every chunk and start, each checked against a float32 reference."""
+    proc = subprocess.run([sys.executable, "-m", "bench.packed_attention", "--smoke", "--baseline",
+                           "minedraft_ray/engine/attention_packed_triton.py", "--out", str(tmp_path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = pq.read_table(tmp_path / "packed_attention.parquet").to_pylist()
+    assert {(r["chunk"], r["start"]) for r in rows} == {(8, 0), (8, 24)}
+    assert {r["kernel"] for r in rows} == {"current, default", "current", "baseline, default"}
+    assert all(r["status"] == "ok" and r["us"] > 0 and r["max_err"] < 1e-3 for r in rows), rows
+    md = (tmp_path / "packed_attention.md").read_text()
+    assert "`python -m bench.packed_attention --smoke --baseline" in md and "| chunk | start | baseline_us |" in md
+    assert (tmp_path / "packed_attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_prefill_order_sim_smoke(tmp_path):
