@@ -148,7 +148,8 @@ case "${1:?PART}" in
   step real_traffic_ar_classes 300 python -m bench.real_traffic --modes ar --engines padded,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_ar_classes"
   ;;
-22)  # #24: part 21's kernel in real traffic sd
+22)  # #24: part 21's kernel on CUDA against the reference (blocks straddling requests, graphs), and in real traffic sd
+  step cuda_kernels 100 python -m pytest -q -p no:cacheprovider tests/test_attention_triton.py -k cuda
   step real_traffic_sd_classes 290 python -m bench.real_traffic --modes sd --engines padded,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_sd_classes"
   ;;
