@@ -33,7 +33,10 @@
 # .baseline/attention_packed_triton.py` before the call: an untracked file travels) and SDPA; the fused profile.
 # (Ran at 10c356c: the unmasked tiles 0.90x the time; 4 warps instead of 8 on the 64-row tile half again.)
 # PARTS 21 and 22 (#24): the 4-warp tiles at larger launches, the fused profile and real traffic ar (21), sd (22),
-# with the chunk budget's margin (what its predictions missed by).
+# with the chunk budget's margin (what its predictions missed by). (Ran at 0c80791: results in bench/results.)
+# PART 23 (#24): a fused step's chunk launch at 1 and 2 waves of key splits (the split rule for 288-token launches).
+# Order for the next 30-minute device budget: 23; then 21 and 22 again after a change to the split rule or to
+# the chunk budget's reference (docs/design.md, "Adaptive chunks"); 5's proxy rows, 1, 3, 7.
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
 # chunk's pricing or the kernel; 1, 3, 7.
 # A call carries at most 64 MiB: the tracked tree (~15.4 MB) and the wheel bundle (~51.6 MB) are at that limit. A
@@ -153,10 +156,20 @@ case "${1:?PART}" in
   step real_traffic_sd_classes 290 python -m bench.real_traffic --modes sd --engines padded,fused:512@2 \
     --loads 0.6 --online-s 15 --long-prompts 8 --steps --out "$OUT/real_traffic_sd_classes"
   ;;
+23)  # #24: key splits of a fused step's chunk launch (part 21: its 288 tokens make 144 programs of 64 rows, one split;
+     # the 256-token chunk alone ran 1.5x faster in two). Chunks of 128, 256 and 480 beside 32 rows run in graphs of
+     # 256, 320 and 512 tokens, so as chunk launches of 224, 288 and 480: 2 / 1 / 1 splits at PREFILL_WAVES 1, 3 / 2 /
+     # 2 at 2. The fused step both ways
+  for waves in 1 2; do
+    step "fused_profile_waves$waves" 100 env MINEDRAFT_ATTN_CONFIG="{\"PREFILL_WAVES\": $waves}" \
+      python -m bench.fused_step_profile --batches 32 --chunks 0,128,256,480 --chunk-starts 0,1024,2816 \
+      --kernel-chunks 256 --out "$OUT/fused_profile_waves$waves"
+  done
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13-22" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13-23" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"
