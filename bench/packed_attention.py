@@ -35,17 +35,18 @@ SMOKE = dict(heads=4, kv_heads=2, head_dim=16, dtype=torch.float32, chunks=(8,),
 FLUSH_BYTES = 512 << 20
 MAX_ERR = 2e-2  # bf16 outputs of ~0.1 against a float32 reference
 COLUMNS = ["kernel", "chunk", "start", "block_m", "block_n", "num_warps", "num_stages", "splits", "us", "tflops",
-           "max_err", "status"]
+           "max_err", "status", "git_sha", "command", "device"]
 
 
 def load_baseline(path: str):
-    """attend_packed_triton of an earlier copy of attention_packed_triton.py (its relative import made absolute)."""
+    """An earlier copy of attention_packed_triton.py as a module (its relative import made absolute): its kernel and
+    its own launch rules."""
     source = Path(path).read_text().replace("from .attention_triton import",
                                             "from minedraft_ray.engine.attention_triton import")
     spec = importlib.util.spec_from_loader("baseline_packed", loader=None)
     module = importlib.util.module_from_spec(spec)
     exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102 - a file of this repository's history
-    return module.attend_packed_triton
+    return module
 
 
 def make_chunk(shape: dict, chunk: int, start: int, device: torch.device):
@@ -89,8 +90,17 @@ def variants(smoke: bool):
     return [(m, n, w, s, splits) for (m, n, w), s, splits in itertools.product(tiles, (2, 3), (None, 1, 2, 4))]
 
 
-def sweep(shape: dict, device: torch.device, baseline) -> list[dict]:
-    from minedraft_ray.engine.attention_packed_triton import attend_packed_triton, launch_shape, prefill_splits
+def own_launch(module, shape: dict, chunk: int, max_keys: int, device: torch.device) -> tuple:
+    """(block_m, block_n, num_warps, num_stages, splits) a kernel module's own rules pick for the chunk."""
+    from minedraft_ray.engine.attention_triton import num_sms
+
+    groups, kv_heads = shape["heads"] // shape["kv_heads"], shape["kv_heads"]
+    m, n, w = module.launch_shape(chunk, groups, kv_heads, shape["head_dim"], shape["dtype"], num_sms(device))
+    return m, n, w, 2, module.prefill_splits(chunk, groups, kv_heads, m, n, max_keys, num_sms(device))
+
+
+def sweep(shape: dict, device: torch.device, baseline, smoke: bool) -> list[dict]:
+    import minedraft_ray.engine.attention_packed_triton as current
     from minedraft_ray.engine.attention_triton import num_sms
 
     flush = torch.empty(FLUSH_BYTES if device.type == "cuda" else 1, dtype=torch.uint8, device=device)
@@ -101,16 +111,14 @@ def sweep(shape: dict, device: torch.device, baseline) -> list[dict]:
         args = make_chunk(shape, chunk, start, device)
         truth = reference(args, scale)
         max_keys = args[3].shape[1] * args[1].shape[1]
-        default_m, default_n, default_w = launch_shape(chunk, groups, kv_heads, shape["head_dim"], shape["dtype"],
-                                                       num_sms(device))
-        runs = [("current, default", dict(), (default_m, default_n, default_w, 2, None))]
-        runs += [("current", dict(block_m=m, block_n=n, num_warps=w, num_stages=s, num_splits=splits),
-                  (m, n, w, s, splits)) for m, n, w, s, splits in variants(device.type != "cuda")]
+        runs = [("current, default", current, dict(), own_launch(current, shape, chunk, max_keys, device))]
+        runs += [("current", current, dict(block_m=m, block_n=n, num_warps=w, num_stages=s, num_splits=splits),
+                  (m, n, w, s, splits)) for m, n, w, s, splits in variants(smoke)]
         if baseline is not None:
-            runs.append(("baseline, default", dict(), (default_m, default_n, default_w, 2, None)))
-        for name, kw, (m, n, w, s, splits) in runs:
-            kernel = baseline if name.startswith("baseline") else attend_packed_triton
-            splits = splits or prefill_splits(chunk, groups, kv_heads, m, n, max_keys, num_sms(device))
+            runs.append(("baseline, default", baseline, dict(), own_launch(baseline, shape, chunk, max_keys, device)))
+        for name, module, kw, (m, n, w, s, splits) in runs:
+            kernel = module.attend_packed_triton
+            splits = splits or current.prefill_splits(chunk, groups, kv_heads, m, n, max_keys, num_sms(device))
             row = dict(kernel=name, chunk=chunk, start=start, block_m=m, block_n=n, num_warps=w, num_stages=s,
                        splits=splits)
             rows.append(row)
@@ -171,29 +179,6 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lines = summary(rows)
-    chunks = sorted({r["chunk"] for r in lines})
-    fig, axes = plt.subplots(1, len(chunks), figsize=(4 * len(chunks), 3.2), squeeze=False)
-    for ax, chunk in zip(axes[0], chunks):
-        mine = [r for r in lines if r["chunk"] == chunk]
-        for key, label in [("baseline_us", "baseline"), ("default_us", "current"), ("best_us", "best variant"),
-                           ("sdpa_us", "SDPA flash, no mask")]:
-            points = [(r["start"], r[key]) for r in mine if r[key] is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=label)
-        ax.set_title(f"chunk of {chunk} tokens")
-        ax.set_xlabel("prompt tokens before the chunk")
-        ax.set_ylabel("us per layer")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", default=None, help="an earlier attention_packed_triton.py to time beside")
@@ -219,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     baseline = load_baseline(args.baseline) if args.baseline else None
-    rows = sweep(shape, device, baseline)
-    table = pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows])
+    rows = sweep(shape, device, baseline, args.smoke)
+    run = dict(git_sha=git_sha(), command=command_line("bench.packed_attention", argv), device=device_name(device))
+    table = pa.Table.from_pylist([{c: {**r, **run}.get(c) for c in COLUMNS} for r in rows])
     pq.write_table(table, out / "packed_attention.parquet")
-    plot(rows, out / "packed_attention.png")
+    try:
+        from bench.plot import PLOTS
+        PLOTS["packed_attention"](out / "packed_attention.parquet", out / "packed_attention.png")
+    except ImportError:   # no matplotlib: python -m bench.plot later
+        pass
     lines = summary(rows)
     failed = [r for r in rows if r.get("status") != "ok"]
     md = ["# Packed prefill attention: one chunk deep in a prompt", "",
@@ -231,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Device: {device_name(device)}", "",
           f"- {shape['heads']} query heads over {shape['kv_heads']} KV heads, head dim {shape['head_dim']}, "
           f"{str(shape['dtype']).replace('torch.', '')}; one layer's attention of a chunk continuing one prompt at "
-          "`start` (paged cache, blocks scattered); us: median of 30 calls, L2 evicted before each",
+          f"`start` (paged cache, blocks scattered); us: median of {shape['reps']} calls, L2 evicted before each",
           "- default: the current kernel at the launch's own tiles and splits; best: its fastest variant of "
           f"{len(variants(args.smoke))} (tiles, warps, stages, splits); baseline: --baseline "
           f"({args.baseline}) at its own launch; SDPA: torch's flash kernel over all start + chunk keys for every "

@@ -397,6 +397,34 @@ def plot_fused_step_profile(parquet, png) -> Path:
     return Path(png)
 
 
+def plot_packed_attention(parquet, png) -> Path:
+    """Per chunk size: us per layer against the chunk's start in the prompt for the baseline kernel, the current
+    one at its own launch, its best variant and torch's flash SDPA (bench/packed_attention.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.packed_attention import summary
+
+    lines = summary(read_rows(parquet))
+    chunks = sorted({r["chunk"] for r in lines})
+    fig, axes = plt.subplots(1, len(chunks), figsize=(4 * len(chunks), 3.4), squeeze=False)
+    for ax, chunk in zip(axes[0], chunks):
+        mine = [r for r in lines if r["chunk"] == chunk]
+        for key, label in [("baseline_us", "baseline"), ("default_us", "current"), ("best_us", "best variant"),
+                           ("sdpa_us", "SDPA flash, no mask")]:
+            points = [(r["start"], r[key]) for r in mine if r[key] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+        ax.set(title=f"chunk of {chunk} tokens", xlabel="prompt tokens before the chunk", ylabel="us per layer")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return Path(png)
+
+
 plot_ingress_burst = bar_plot(lambda r: f"{r['label']}\n{r['running']}+{r['burst']}", "gap_during_p99_ms",
                               "P99 chunk gap during the burst (ms)",
                               "Running streams' chunk gaps while a burst is admitted")
@@ -406,6 +434,7 @@ PLOTS = {
     "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
     "fused_buckets": plot_fused_step_profile,   # fused_step_profile --bucket-sets, kept under its own name
+    "packed_attention": plot_packed_attention,
     "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
                                   "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),
     "real_traffic": plot_real_traffic,

@@ -251,6 +251,15 @@ def test_packed_chunks_starting_at_tile_edges(attend_packed_cpu, block_m, num_sp
 
 
 @interpreter_only
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_packed_head_dim_not_a_power_of_two(attend_packed_cpu, num_splits):
+    """A head of 24: the tiles run 32 wide with the last 8 masked, in the unmasked key tiles too."""
+    case = make_packed_case([(0, 20, 5), (1, 0, 9), (2, 33, 4)], groups=2, head_dim=24, dtype=torch.float32)
+    out = paged(attend_packed_cpu, case, 4, scale=24 ** -0.5, block_m=16, block_n=16, num_splits=num_splits)
+    torch.testing.assert_close(out, reference_packed(*case, scale=24 ** -0.5), **TOL[torch.float32])
+
+
+@interpreter_only
 def test_packed_padding_tokens_share_a_row(attend_packed_cpu):
     # several tokens at the same (slot, position), as graph padding is: each sees that one key
     case = make_packed_case([(4, 0, 5), (1, 0, 1)], groups=2, head_dim=16, dtype=torch.float32)

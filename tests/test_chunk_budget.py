@@ -239,8 +239,10 @@ def test_depth_slopes_ignore_launches_at_one_depth():
 
 def test_a_device_that_varies_keeps_nine_chunk_cycles_in_ten_within_the_ratio():
     """What a chunk adds varies from cycle to cycle (here by +-20 %), and the 320-token class's median (5.8 ms)
-    sits just inside the 6 ms the ratio allows: the chunk settles on the class below, with a margin of what the
-    predictions missed by that is neither 1 nor a collapse to the floor."""
+    sits just inside the 6 ms the ratio allows. The medians alone already drop that class once a dear cycle lifts
+    its price (so this does not show the margin's worth: test_the_margin_is_what_the_predictions_missed_by does);
+    what it holds is that a margin measured on a device that varies stays modest, and the chunk a class below, not
+    at the floor."""
     budget, rng = ChunkBudget.for_budget(cap=512, ratio=2.0), random.Random(11)
     near = {**ADDED_MS, 320: 5.8}
     spread = (lambda n: near[token_bucket(n, tuple(near))] * rng.uniform(0.8, 1.2))
@@ -262,7 +264,42 @@ def test_the_margin_is_what_the_predictions_missed_by():
     assert list(budget.errors) == [pytest.approx(1.0)] * 2   # 320's second and third cycles, as predicted
     budget.observe(12.65, [PromptLaunch(300)])               # a 320-class launch 10 % over its prediction
     assert budget.errors[-1] == pytest.approx(12.65 / 11.5)
-    budget.errors.extend([1.1] * 8)                          # the predictions keep missing by 10 %
+    budget.errors.extend([1.1] * 14)                         # the predictions keep missing by 10 %
     limit = budget.next_limit()
     assert limit.margin == pytest.approx(1.1) and limit.allowed_ms == pytest.approx(12.0 / 1.1 - 6.0)
     assert limit.launch_tokens == 256   # 11.5 x 1.1 > 12; 9.6 x 1.1 fits
+
+
+def test_the_margin_is_the_ninetieth_percentile_at_least_one():
+    budget = ChunkBudget.for_budget(cap=512, ratio=2.0)
+    budget.errors.extend([1.5] * 15)
+    assert budget.margin == 1.0                              # fewer than MIN_ERRORS: none yet
+    budget.errors.clear()
+    budget.errors.extend(1.0 + i / 100 for i in range(32))   # 1.00 .. 1.31
+    assert budget.margin == pytest.approx(1.28)              # the 29th smallest of 32
+    budget.errors.clear()
+    budget.errors.extend([0.9] * 32)                         # predictions too dear: no discount below them
+    assert budget.margin == 1.0
+
+
+@pytest.mark.parametrize("stall_filter", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="planted: stalls counted as errors set the margin past the ratio"))])
+def test_stalled_cycles_and_stale_classes_are_not_prediction_errors(stall_filter, monkeypatch):
+    """A cycle three times its prediction was stalled by something else (a smaller chunk would not shorten it): it
+    is no error, or a few stalls would take every chunk to the floor. A class not run for stale_after chunk cycles
+    has no price to have predicted with."""
+    import minedraft_ray.runtime.chunk_budget as chunk_budget
+
+    if not stall_filter:
+        monkeypatch.setattr(chunk_budget, "STALL", float("inf"))
+    budget, rng = ChunkBudget.for_budget(cap=512, ratio=2.0), random.Random(12)
+
+    def stalling(n: int) -> float:   # one cycle in six stalls to three times its length
+        return added(n) + (2 * (6.0 + added(n)) if rng.random() < 1 / 6 else 0.0)
+    run(budget, base_ms=6.0, steps=400, rng=rng, cost=stalling)
+    assert budget.margin < 1.05, budget.margin
+    errors = len(budget.errors)
+    budget.chunk_cycles += budget.stale_after    # every class stale
+    budget.observe(6.0, [])
+    budget.observe(6.0 + 5.0, [PromptLaunch(320)])
+    assert len(budget.errors) == errors

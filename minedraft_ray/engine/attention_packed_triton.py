@@ -128,7 +128,9 @@ def _attend_packed_kernel(
             m_i = m_new
         pending = pending & (slot != current)
 
-    seen = m_i > SHUT / 2  # a row that saw only other slots' keys (a split past its own) holds a placeholder
+    # a row that saw only other slots' keys (a split past its own) holds a placeholder: keep it out of the partials
+    # (its lse would weigh nothing in the combine anyway)
+    seen = m_i > SHUT / 2
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_row = ti * HQ + head  # [BLOCK_M] row of the contiguous [T, Hq] output
     if DIRECT:
@@ -146,11 +148,10 @@ def launch_shape(tokens: int, groups: int, kv_heads: int, head_dim: int, dtype: 
                  sm_count: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a launch of `tokens` query tokens (a CUDA graph's shape fixes them).
 
-    16-bit heads up to 128 wide: 64 x 64 tiles on 4 warps at every launch size. With the causal mask confined to
-    the diagonal tiles, that is the fastest tile (or within a few percent of it) from fresh prompts to chunks
-    deep in long ones, and well ahead of 8 warps on the same tile or 128-row tiles (bench/results/packed_attention.md).
-    Wider heads or fp32: smaller key tiles, so the q tile, accumulator and pipelined K/V tiles fit registers and
-    shared memory. `tokens` and `sm_count` stay in the signature for the tile rules the benchmarks compare."""
+    16-bit heads up to 128 wide: 64 x 64 tiles on 4 warps at every launch size, from fresh prompts to chunks deep
+    in long ones (bench/packed_attention.py times the alternatives; docs/design.md has what it found). Wider heads
+    or fp32: smaller key tiles, so the q tile, accumulator and pipelined K/V tiles fit registers and shared memory.
+    `tokens` and `sm_count` stay in the signature, which earlier rules used and the benchmarks call alike."""
     if head_dim > 128 or dtype.itemsize > 2:
         return 64, 32, 4
     return 64, 64, 4

@@ -32,7 +32,9 @@ at the tail the ratio is meant for. So the budget also keeps what its own predic
 class already priced is compared with the cycle predicted for it (the base plus the class's price at the chunk's
 depth), and a class fits when its predicted cycle times the `MARGIN_QUANTILE` of the last `ERRORS` such ratios
 (`margin`, at least 1) is within ratio x base. A model that predicts well keeps its chunks; one that misses widely
-takes smaller ones, as much smaller as it misses.
+takes smaller ones, as much smaller as it misses. A cycle more than `STALL` x its prediction was stalled by
+something a chunk does not cause (a Ray turnaround, a collection) and is left out, as the prices' medians leave it
+out: a smaller chunk would not have shortened it.
 
 The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
@@ -59,7 +61,8 @@ DEPTH_SAMPLES = 8   # a class's last cycles, whose pairs at different depths giv
 SLOPES = 64         # the newest slopes, whose median is key_ms
 MIN_SPREAD = 0.25   # a pair's prior keys differ by at least this share of the larger, or its slope is noise
 ERRORS = 32             # the newest cycles measured against their prediction, whose quantile is the margin
-MIN_ERRORS = 8          # fewer: no margin (1)
+MIN_ERRORS = 16         # fewer: no margin (1)
+STALL = 1.5             # a cycle above this many times its prediction was stalled: not a prediction's miss
 MARGIN_QUANTILE = 0.9   # of the measured / predicted cycle ratios: the margin a class's predicted cycle takes
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
@@ -89,7 +92,7 @@ class ChunkLimit:
     prices: tuple[ClassPrice, ...] = ()
     key_ms: float = 0.0
     allowed_ms: float = math.inf
-    margin: float = 1.0   # what the allowed time was divided by (ChunkBudget.margin): a record of it
+    margin: float = 1.0   # what the predicted cycles were scaled by (ChunkBudget.margin): a record of it
 
     def chunk_tokens(self, verify_tokens: int, prior_keys: Callable[[int], int] | None = None) -> int:
         """Prompt tokens of a chunk riding a launch with `verify_tokens` of a verify (0: its own launch).
@@ -160,7 +163,7 @@ class ChunkBudget:
         if earlier:   # a class already priced: how far the cycle its price predicted was off
             key_ms = self.key_ms
             predicted = self.base_ms + known.added_ms(key_ms) + key_ms * launch.prior_keys
-            if predicted > 0.0:
+            if predicted > 0.0 and cycle_ms <= STALL * predicted:
                 self.errors.append(cycle_ms / predicted)
         added, keys = sample
         self.slopes.extend((added - a) / (keys - k) for a, k in earlier
