@@ -258,3 +258,27 @@ def test_parity_pairs_runtime_and_engine_rows(tmp_path):
     assert parity.main([str(parent), str(change), "--engine", "--out", str(tmp_path / "out")]) == 0
     (row,) = pq.read_table(tmp_path / "out" / "engine_parity.parquet").to_pylist()
     assert (row["q"], round(row["change_over_parent"], 3), row["git_sha_parent"]) == (1, 1.1, "p")
+
+
+def test_chunk_budget_replay_reads_recorded_cycles(tmp_path, capsys):
+    """The replay of the adaptive chunk's controller over recorded cycles: on a made-up run whose chunk cycles are
+    exactly the base plus their class's cost, every prediction after the first of a class is exact."""
+    import pyarrow as pa
+
+    from bench.chunk_budget_replay import main
+
+    base, added = 6.0, {128: 3.0, 256: 3.6}
+    rows = []
+    for step in range(120):
+        launch = (128, 256)[step % 4 == 1] if step % 2 else 0
+        rows.append({"mode": "ar", "engine": "fused:512@2", "workload": "online_long", "step": step,
+                     "git_sha": "abc1234", "step_ms": base + added.get(launch, 0.0),
+                     "prefill_launches": int(bool(launch)), "launch_tokens": launch, "prior_keys": 0})
+    rows.append({**rows[0], "engine": "padded"})   # not adaptive: not replayed
+    path = tmp_path / "real_traffic_steps.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert main([str(path)]) == 0
+    table = capsys.readouterr().out
+    line = next(row for row in table.splitlines() if row.startswith("| ar | fused:512@2 | abc1234 | 120 | 60 |"))
+    assert "| 1 / 1 / 1 / 1 (n 58) |" in line, line   # the two classes' first launches predict nothing
+    assert "padded" not in table

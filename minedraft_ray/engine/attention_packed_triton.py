@@ -198,8 +198,8 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     [S, W] int64; token_slots, positions: [T] int64.
     Returns contiguous [T, Hq, D] in q's dtype (`out` when given). row_width: the tokens are a fused step's
     decode/verify rows of that many tokens each (rows_launch_shape: a program per row, keys split); else prefill
-    blocks (launch_shape). `block_m`/`block_n`/`num_warps`/`num_splits`/`num_stages` override those (tests use them to make
-    blocks straddle requests on tiny shapes; benchmarks to time other tiles).
+    blocks (launch_shape). `block_m`/`block_n`/`num_warps`/`num_splits`/`num_stages` override those (tests use
+    them to make blocks straddle requests on tiny shapes; benchmarks to time other tiles).
     """
     T, Hq, D = q.shape
     _, BS, Hkv, _ = k_cache.shape

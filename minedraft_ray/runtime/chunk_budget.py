@@ -160,15 +160,22 @@ class ChunkBudget:
         sample = (cycle_ms - self.base_ms, launch.prior_keys)
         known = self.costs.get(c)
         earlier = () if known is None or self._stale(known) else known.recent
-        if earlier:   # a class already priced: how far the cycle its price predicted was off
-            key_ms = self.key_ms
-            predicted = self.base_ms + known.added_ms(key_ms) + key_ms * launch.prior_keys
-            if predicted > 0.0 and cycle_ms <= STALL * predicted:
-                self.errors.append(cycle_ms / predicted)
+        predicted = self.predicted_cycle_ms(launch)   # a class already priced: how far was it off
+        if predicted is not None and 0.0 < predicted and cycle_ms <= STALL * predicted:
+            self.errors.append(cycle_ms / predicted)
         added, keys = sample
         self.slopes.extend((added - a) / (keys - k) for a, k in earlier
                            if abs(keys - k) >= MIN_SPREAD * max(keys, k, 1))
         self.costs[c] = ClassCost((*earlier, sample)[-DEPTH_SAMPLES:], self.chunk_cycles)
+
+    def predicted_cycle_ms(self, launch: PromptLaunch) -> float | None:
+        """The cycle its class's price predicts for a launch: the base, the price and key_ms per prior key (None:
+        no base, or the class not measured or stale)."""
+        known = self.costs.get(token_bucket(launch.tokens, self.classes))
+        if self.base_ms is None or known is None or self._stale(known):
+            return None
+        key_ms = self.key_ms
+        return self.base_ms + known.added_ms(key_ms) + key_ms * launch.prior_keys
 
     @property
     def margin(self) -> float:
