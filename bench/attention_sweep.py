@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import device_name, git_sha, markdown_table, time_steps
+from bench.common import device_name, git_sha, markdown_table, time_steps, triton_device
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, slots=128, max_len=4096, batch=64,
             context=512, qlens=(1, 5), warmup=10, reps=50)
@@ -120,14 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shape, 2 configs, Triton interpreter on the CPU")
     args = p.parse_args(argv)
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.smoke:
-            p.error("needs a CUDA device (or --smoke)")
-        os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
+    device = triton_device(p, args.smoke)
     import triton
 
-    device = torch.device("cuda" if on_gpu else "cpu")
     shape = SMOKE if args.smoke else FULL
     print(f"{device_name(device)}; torch {torch.__version__}, triton {triton.__version__}; git {git_sha()}",
           flush=True)

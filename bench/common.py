@@ -46,6 +46,17 @@ def run_context(shape: str, dtype: torch.dtype, device: torch.device, module: st
             "command": command_line(module, argv), "device": device_name(device)}
 
 
+def triton_device(parser, smoke: bool) -> torch.device:
+    """A Triton kernel's bench: the GPU, or with --smoke Triton's interpreter on the CPU (chosen before Triton is
+    first imported); without either, the parser's error."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if not smoke:
+        parser.error("needs a CUDA device (or --smoke)")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return torch.device("cpu")
+
+
 def versions() -> str:
     import transformers
     import triton

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import command_line, device_name, git_sha, markdown_table, time_steps, versions
+from bench.common import command_line, device_name, git_sha, markdown_table, time_steps, triton_device, versions
 
 FULL = dict(heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, chunks=(64, 128, 256, 512),
             starts=(0, 1024, 2816), warmup=5, reps=30)
@@ -66,15 +65,10 @@ def make_chunk(shape: dict, chunk: int, start: int, device: torch.device):
 
 
 def reference(args, scale: float) -> torch.Tensor:
-    q, k_pool, v_pool, table, _, positions = args
-    live = int(positions[-1]) + 1
-    k = k_pool[table[0]].flatten(0, 1)[:live].float()  # [live, Hkv, D]
-    v = v_pool[table[0]].flatten(0, 1)[:live].float()
-    group = q.shape[1] // k.shape[1]
-    scores = torch.einsum("thd,nhd->thn", q.float(), k.repeat_interleave(group, 1)) * scale
-    hidden = torch.arange(live, device=q.device)[None, :] > positions[:, None]
-    return torch.einsum("thn,nhd->thd", scores.masked_fill(hidden[:, None], float("-inf")).softmax(-1),
-                        v.repeat_interleave(group, 1))
+    """The engine's torch path (attention.attend_packed_reference) in float32."""
+    from minedraft_ray.engine.attention import attend_packed_reference
+
+    return attend_packed_reference(*(t.float() if t.is_floating_point() else t for t in args), scale)
 
 
 def causal_flop(shape: dict, chunk: int, start: int) -> float:
@@ -187,15 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--starts", default=None, help="prompt tokens before the chunk (default 0,1024,2816)")
     p.add_argument("--smoke", action="store_true", help="tiny shape, 2 variants, Triton interpreter on the CPU")
     args = p.parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        if not args.smoke:
-            p.error("needs a CUDA device (or --smoke)")
-        os.environ["TRITON_INTERPRET"] = "1"  # before the first import of triton
+    device = triton_device(p, args.smoke)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    device = torch.device("cuda" if on_gpu else "cpu")
     shape = dict(SMOKE if args.smoke else FULL)
     for name in ("chunks", "starts"):
         if getattr(args, name):
