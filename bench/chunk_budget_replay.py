@@ -36,11 +36,14 @@ def quantiles(values: list[float], points=(0.1, 0.5, 0.9)) -> str:
     return " / ".join(f"{ordered[int(p * (len(ordered) - 1))]:.3g}" for p in points)
 
 
-def replay(cycles: list[dict], ratio: float, typical_cycles: int) -> dict:
-    """One engine's cycles through a fresh budget -> the row of the report."""
-    from minedraft_ray.runtime.chunk_budget import ChunkBudget, PromptLaunch
+def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
+    """One engine's cycles through a fresh budget at its ratio and reference -> the row of the report."""
+    from bench.real_traffic import EngineSpec
+    from minedraft_ray.runtime.chunk_budget import TYPICAL_CYCLES, ChunkBudget, PromptLaunch
 
-    budget = ChunkBudget.for_budget(max(r["launch_tokens"] for r in cycles) or 512, ratio)
+    spec = EngineSpec.parse(engine)
+    budget = ChunkBudget.for_budget(max(r["launch_tokens"] for r in cycles) or 512, spec.gap_ratio,
+                                    typical_window=TYPICAL_CYCLES if spec.gap_reference == "typical" else 0)
     quiet_median = statistics.median(r["step_ms"] for r in cycles if not r["prefill_launches"])
     recent = deque(maxlen=typical_cycles)   # (cycle, ms) without a chunk
     errors, deep, margins, key_ms, over_base, over_median, base_share, cuts = [], [], [], [], [], [], [], []
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if cycles:
             sha = cycles[0]["git_sha"]
             rows.append({"mode": mode, "engine": engine, "git_sha": sha,
-                         **replay(cycles, float(engine.rsplit("@", 1)[1]), args.typical_cycles)})
+                         **replay(cycles, engine, args.typical_cycles)})
     if not rows:
         print(f"{args.steps}: no adaptive engine's online_long cycles")
         return 1

@@ -36,6 +36,8 @@
 # with the chunk budget's margin (what its predictions missed by). (Ran at 0c80791: results in bench/results.)
 # PART 23 (#24): a fused step's chunk launch at 1 and 2 waves of key splits (the split rule for 288-token launches).
 # PART 24 (#22): serve vs offline sd k=2 max_batch 64 with chunks sized to 1.8 x the cycle (the interval / the cycle).
+# (Parts 23 and 24 ran at 4887f19: results in bench/results and docs/design.md.)
+# PART 25 (#24): real traffic ar and sd, the adaptive chunk with the typical reference beside the recent one.
 # Order for the next 30-minute device budget: 23, 24; then 21 and 22 again after a change to the split rule or to
 # the chunk budget's reference (docs/design.md, "Adaptive chunks"); 5's proxy rows, 1, 3, 7.
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
@@ -176,10 +178,18 @@ case "${1:?PART}" in
     --ingress-cpus 1 --ingress-replicas 1 --ingress-http direct --chunk-gap-ratio 1.8 --label direct-r1.8 \
     --out "$OUT/serve_sd64_adaptive"
   ;;
+25)  # #24: the typical reference (chunk_gap_reference typical: a chunk cycle held to 2 x the shorter of the base and
+     # the median cycle without a chunk over the last 256) beside the recent base alone and padded, ar then sd
+  for mode in ar sd; do
+    step "real_traffic_${mode}_typical" 290 python -m bench.real_traffic --modes $mode \
+      --engines padded,fused:512@2,fused:512@2/typical --loads 0.6 --online-s 15 --long-prompts 8 --steps \
+      --out "$OUT/real_traffic_${mode}_typical"
+  done
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13-24" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13-25" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

@@ -236,20 +236,24 @@ ENGINES = {"fused": {"packed_prefill": True, "fused_prefill": True},
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """An --engines entry: `fused`, `fused:256` (that engine at its own prefill_chunk_tokens) or `fused:512@2`
-    (chunks sized from step times within that budget, chunk_gap_ratio 2)."""
+    """An --engines entry: `fused`, `fused:256` (that engine at its own prefill_chunk_tokens), `fused:512@2`
+    (chunks sized from step times within that budget, chunk_gap_ratio 2) or `fused:512@2/typical` (that ratio of
+    chunk_gap_reference typical)."""
     kind: str
     chunk: int | None = None
     gap_ratio: float | None = None
+    gap_reference: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> EngineSpec:
-        head, _, ratio = spec.partition("@")
+        head, _, adaptive = spec.partition("@")
         kind, _, chunk = head.partition(":")
-        if kind not in ENGINES or ((chunk or ratio) and kind == "padded"):
+        ratio, _, reference = adaptive.partition("/")
+        if (kind not in ENGINES or ((chunk or ratio) and kind == "padded") or (reference and not ratio)
+                or reference not in ("", "recent", "typical")):
             raise ValueError(f"unknown engine {spec!r}: one of {', '.join(ENGINES)}, chunked/fused optionally "
-                             f":TOKENS and @GAP_RATIO")
-        return cls(kind, int(chunk) if chunk else None, float(ratio) if ratio else None)
+                             f":TOKENS and @GAP_RATIO[/recent|/typical]")
+        return cls(kind, int(chunk) if chunk else None, float(ratio) if ratio else None, reference or None)
 
 
 def build(mode: str, engine: str, args, target: str, draft: str, work: Workload, extra: dict):
@@ -263,6 +267,8 @@ def build(mode: str, engine: str, args, target: str, draft: str, work: Workload,
         settings["prefill_chunk_tokens"] = chunk
     if spec.gap_ratio is not None:
         settings["chunk_gap_ratio"] = spec.gap_ratio
+    if spec.gap_reference is not None:
+        settings["chunk_gap_reference"] = spec.gap_reference
     hook = {"_workers": synthetic_acceptance(args.alpha)} if mode == "sd" else {}
     return LLM(target, draft if mode == "sd" else None, mode=mode, k=args.k, max_batch=args.max_batch,
                max_len=work.max_len, max_queued=1_000_000, stream_interval_ms=0.0, **settings, **extra, **hook)
@@ -295,7 +301,7 @@ def parse(argv):
     p.add_argument("--engines", default="padded,chunked,fused", help="padded (the unchunked engine) first: its "
                    "closed capacity sets the online rates of all; chunked/fused take :TOKENS for their own budget "
                    "(e.g. fused:256,fused:512) and @RATIO for chunks sized from step times (chunk_gap_ratio, e.g. "
-                   "fused:512@2)")
+                   "fused:512@2), /typical after it for chunk_gap_reference typical (fused:512@2/typical)")
     p.add_argument("--target", default="random:llama-8b")
     p.add_argument("--draft", default="random:llama-1b")
     p.add_argument("--max-batch", type=int, default=32)
@@ -455,7 +461,9 @@ def write(out: Path, rows: list[dict], work: Workload, args, steps: list[dict] =
              "outputs (one per step); gap_long_p99_ms / gap_quiet_p50_ms: gaps overlapping a long prompt's "
              "arrival-to-first-token window, or none; online_pooled: all loads together",
              "@RATIO (e.g. fused:512@2): chunk_gap_ratio, the chunk sized from the engine's step times so that a "
-             "step with one takes at most RATIO x one without, within the budget",
+             "step with one takes at most RATIO x one without (the recent ones' moving average), within the budget; "
+             "@RATIO/typical: x the shorter of that and the median step without one over the last 256 "
+             "(chunk_gap_reference typical)",
              "prefill_order: who takes the step's prefill budget first (shortest: the fewest prompt tokens left, a "
              "prompt overtaken by its own length first; arrival: first come, first served)"]
     if args.long_prompts:

@@ -97,6 +97,11 @@ class EngineConfig(BaseModel):
         "times so that a step with a chunk takes at most this many times one without (2: a running request's time "
         "between tokens at most doubles while prompts prefill; a long prompt's own first token comes later), "
         "within prefill_chunk_tokens; 0: the fixed budget (runtime/chunk_budget.py)")
+    chunk_gap_reference: Literal["recent", "typical"] = Field(
+        "recent", description="the step without a chunk that chunk_gap_ratio multiplies: the recent ones' moving "
+        "average (recent, which grows with the batch while prompts arrive), or the shorter of that and the median "
+        "of those over the last few hundred steps (typical: what a running request usually waits; smaller chunks "
+        "while the batch is larger than usual)")
     transport: Literal["auto", "object_store", "collective", "ray_collective"] = Field(
         "auto", description="draft channel (runtime/transport.py, docs/transport.md); auto: collective where the "
         "workers compute on GPUs, object_store on CPUs; ray_collective: Ray's collective groups (NCCL on GPUs)")

@@ -10,7 +10,7 @@ import pytest
 
 from minedraft_ray.config import EngineConfig
 from minedraft_ray.engine.launch_buckets import token_bucket
-from minedraft_ray.runtime.chunk_budget import ChunkBudget, ChunkLimit, ClassPrice, PromptLaunch
+from minedraft_ray.runtime.chunk_budget import TYPICAL_CYCLES, ChunkBudget, ChunkLimit, ClassPrice, PromptLaunch
 
 ROWS = 32   # ar's verify: one token per row, fused with the chunk
 # what a fused launch padded to each bucket adds to an 8B decode step of 32 rows (128, 256 and 512 rounded from
@@ -303,3 +303,36 @@ def test_stalled_cycles_and_stale_classes_are_not_prediction_errors(stall_filter
     budget.observe(6.0, [])
     budget.observe(6.0 + 5.0, [PromptLaunch(320)])
     assert len(budget.errors) == errors
+
+
+@pytest.mark.parametrize("typical", [True, pytest.param(False, marks=pytest.mark.xfail(
+    strict=True, reason="planted: the recent base alone lets chunk cycles grow with a batch larger than usual"))])
+def test_a_typical_reference_holds_chunk_cycles_to_what_a_request_usually_waits(typical):
+    """While prompts arrive the batch is larger than usual and so is the base (the recent cycles without a chunk):
+    held to ratio x that base, chunk cycles run past ratio x what a running request usually waits. With the
+    typical reference they are held to ratio x the median cycle without a chunk over the window, until the larger
+    batch is itself typical; a smaller batch than usual is held to its own base."""
+    window = TYPICAL_CYCLES if typical else 0
+    budget, rng = ChunkBudget.for_budget(cap=512, ratio=2.0, typical_window=window), random.Random(13)
+    run(budget, base_ms=6.0, steps=300, rng=rng)
+    assert budget.limit() == 320
+    arriving = run(budget, base_ms=8.0, steps=120, rng=rng)   # 60 cycles of each: the window still mostly 6 ms
+    assert len(over(arriving[5:], 2.0, 6.0)) <= 2, over(arriving[5:], 2.0, 6.0)
+    assert budget.reference_ms == pytest.approx(6.0, rel=0.03)
+    run(budget, base_ms=8.0, steps=2 * TYPICAL_CYCLES, rng=rng)   # the larger batch now the usual one
+    assert budget.reference_ms == pytest.approx(8.0, rel=0.03) and budget.limit() == 384
+    run(budget, base_ms=5.0, steps=20, rng=rng)                   # smaller than usual: its own base
+    assert budget.reference_ms == pytest.approx(5.0, rel=0.05)
+
+
+def test_the_typical_window_keeps_only_its_cycles():
+    budget = ChunkBudget.for_budget(cap=512, ratio=2.0, typical_window=4)
+    for ms in (10.0, 1.0, 1.0):
+        budget.observe(ms, [])
+    assert budget.typical_ms == 1.0
+    budget.observe(20.0, [PromptLaunch(64)])
+    budget.observe(20.0, [PromptLaunch(64)])   # 10.0's cycle (the first) has left the window of 4
+    assert [ms for _, ms in budget.quiet] == [1.0, 1.0] and budget.typical_ms == 1.0
+    budget.observe(20.0, [PromptLaunch(64)])
+    budget.observe(20.0, [PromptLaunch(64)])
+    assert not budget.quiet and budget.typical_ms is None and budget.reference_ms == budget.base_ms

@@ -73,9 +73,10 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(shared_engines, tiny_llam
         assert fused_at[13, True] > 0 and fused_at[fits, True] > 0, fused_at
         assert fused_at[1, True] == fused_at[3, True] == fused_at[7, False] == fused_at[0, False] == 0, fused_at
         # the adaptive chunk (chunk_gap_ratio): whatever limits the step times give it, the output is ar's (sd's
-        # chunks fused into its verifies, psd's on their own: suite time)
+        # chunks fused into its verifies, psd's on their own; each reference in one: suite time)
         for fused in ((True,) if mode == "sd" else (False,)):
-            reconfigure_when_idle(llm, prefill_chunk_tokens=13, fused_prefill=fused, chunk_gap_ratio=1.5)
+            reconfigure_when_idle(llm, prefill_chunk_tokens=13, fused_prefill=fused, chunk_gap_ratio=1.5,
+                                  chunk_gap_reference="typical" if mode == "sd" else "recent")
             step = llm.info()["steps"]
             outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
             assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ("adaptive", fused)
@@ -86,7 +87,8 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(shared_engines, tiny_llam
             assert limits and all(1 <= limit <= 13 for limit in limits), limits
     finally:
         reconfigure_when_idle(llm, prefill_chunk_tokens=found["prefill_chunk_tokens"],
-                              fused_prefill=found["fused_prefill"], chunk_gap_ratio=found["chunk_gap_ratio"])
+                              fused_prefill=found["fused_prefill"], chunk_gap_ratio=found["chunk_gap_ratio"],
+                              chunk_gap_reference=found["chunk_gap_reference"])
 
 
 def test_drafter_killed_mid_chunked_prefill_fails_no_request(ray_cluster, tiny_llama, tiny_llama_draft, reference):

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.common import write_results
-from bench.real_traffic import (COLUMNS, TAIL_IDS, Requests, Trace, Workload, long_arrivals, long_prompt_gaps,
-                                main)
+from bench.real_traffic import (COLUMNS, TAIL_IDS, EngineSpec, Requests, Trace, Workload, long_arrivals,
+                                long_prompt_gaps, main)
 
 
 def test_prompt_lengths_are_long_tailed_and_seeded():
@@ -49,16 +49,17 @@ def test_smoke(ray_cluster, tmp_path):
     # second of arrivals per online run: the load is a share of the padded engine's closed capacity (~150 requests/s
     # on an idle CPU), which the chunked and fused engines fall behind, so every second of it costs seconds of drain
     assert main(["--smoke", "--modes", "sd", "--n-closed", "6", "--loads", "0.5", "--online-s", "0.5", "--chunk", "16",
-                 "--long-prompts", "2", "--engines", "padded,chunked,fused@1.5", "--steps", "--out", str(tmp_path)]) == 0
+                 "--long-prompts", "2", "--engines", "padded,chunked,fused@1.5/typical", "--steps",
+                 "--out", str(tmp_path)]) == 0
     assert list(pq.read_schema(tmp_path / "real_traffic.parquet").names) == COLUMNS
     rows = pq.read_table(tmp_path / "real_traffic.parquet").to_pylist()
     closed = {(r["mode"], r["engine"]): r for r in rows if r["workload"] == "closed"}
-    # fused@1.5: fused, its chunks sized from its step times (chunk_gap_ratio) within the 16-token budget
-    assert set(closed) == {("sd", "padded"), ("sd", "chunked"), ("sd", "fused@1.5")}
+    # fused@1.5/typical: fused, chunks sized from its step times (chunk_gap_ratio, typical reference) in the budget
+    assert set(closed) == {("sd", "padded"), ("sd", "chunked"), ("sd", "fused@1.5/typical")}
     for (mode, engine), r in closed.items():
         assert r["completed"] == 6 and r["tokens_per_s"] > 0
         # fused chunks' time is inside their verifies': no prefill rate then
-        fused = engine == "fused@1.5"
+        fused = engine == "fused@1.5/typical"
         assert r["prefill_tokens_per_s"] > 0 if not fused or not r["fused_prefills"] else \
             r["prefill_tokens_per_s"] is None
         assert r["prefill_chunk_tokens"] == (0 if engine == "padded" else 16)
@@ -70,20 +71,20 @@ def test_smoke(ray_cluster, tmp_path):
     online = [r for r in rows if r["workload"] == "online"]
     assert len({r["rate_rps"] for r in online}) == 1   # the same absolute rate for both engines
     assert all(r["completed"] >= 1 and r["ttft_p50_ms"] > 0 for r in online)
-    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused@1.5"}
+    assert {r["engine"] for r in rows if r["workload"] == "online_pooled"} == {"padded", "chunked", "fused@1.5/typical"}
     assert all(r["prefill_order"] == "shortest" for r in rows)
     # online_long: the added long prompts each open a window of the gap ratio
     long = [r for r in rows if r["workload"] == "online_long"]
-    assert {r["engine"] for r in long} == {"padded", "chunked", "fused@1.5"}
+    assert {r["engine"] for r in long} == {"padded", "chunked", "fused@1.5/typical"}
     assert all(r["added_long"] == 2 and r["n_long"] >= 2 and r["gap_quiet_p50_ms"] > 0 for r in long)
     # --steps: online_long's verifier cycles, each with its prompt tokens and the launches that carried them
     steps = pq.read_table(tmp_path / "real_traffic_steps.parquet").to_pylist()
-    assert {r["engine"] for r in steps} == {"padded", "chunked", "fused@1.5"}
-    adaptive = [r for r in steps if r["engine"] == "fused@1.5"]
+    assert {r["engine"] for r in steps} == {"padded", "chunked", "fused@1.5/typical"}
+    adaptive = [r for r in steps if r["engine"] == "fused@1.5/typical"]
     assert all(r["chunk_limit"] is not None and r["chunk_key_ms"] is not None and r["chunk_margin"] is not None
                for r in adaptive)
     assert all(r["step_ms"] > 0 for r in steps)
-    assert all(r["chunk_limit"] is None for r in steps if r["engine"] != "fused@1.5")
+    assert all(r["chunk_limit"] is None for r in steps if r["engine"] != "fused@1.5/typical")
     assert all((r["prefill_launches"] > 0) == (r["prefill_tokens"] > 0) for r in steps)
     # chunked: chunks of their own, within the budget, and some steps carried one
     assert 0 < max(r["launch_tokens"] for r in steps if r["engine"] == "chunked") <= 16
@@ -147,3 +148,13 @@ def test_merge_replaces_and_adds_configurations(tmp_path):
     with pytest.raises(SystemExit, match="would mix"):
         main(["--merge", str(tmp_path / "cpu" / f"{NAME}.parquet"), "--out", str(tmp_path)])
     assert pq.read_table(tmp_path / f"{NAME}.parquet").to_pylist() == rows
+
+
+def test_engine_specs_parse_budget_ratio_and_reference():
+    assert EngineSpec.parse("fused") == EngineSpec("fused")
+    assert EngineSpec.parse("fused:256") == EngineSpec("fused", 256)
+    assert EngineSpec.parse("fused:512@2") == EngineSpec("fused", 512, 2.0)
+    assert EngineSpec.parse("fused:512@2/typical") == EngineSpec("fused", 512, 2.0, "typical")
+    for bad in ("padded:256", "padded@2", "fused/typical", "fused@2/usual", "wide"):
+        with pytest.raises(ValueError):
+            EngineSpec.parse(bad)

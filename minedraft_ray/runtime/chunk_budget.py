@@ -40,6 +40,11 @@ The limit is on the launch that carries the chunk: with fused chunks the verify'
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
 progress whatever the times say.
 
+The base follows the batch, so while prompts arrive (the batch larger than usual) it is held to ratio x a longer
+cycle than a running request usually waits. With `typical_window` the reference is the shorter of the base and
+the median cycle without a chunk over the last `typical_window` cycles: a chunk cycle is held to ratio x what a
+request typically waits, at the cost of smaller chunks while the batch is larger than usual.
+
 Under a steady stream of prompts every cycle carries a chunk and the base would age while the batch grows (the
 rows' added time then charged to the chunk, which shrinks it, which keeps prompts waiting, which keeps every
 cycle carrying one): after `probe_every` cycles with chunks, one step carries none and measures the base afresh.
@@ -64,6 +69,7 @@ ERRORS = 32             # the newest cycles measured against their prediction, w
 MIN_ERRORS = 16         # fewer: no margin (1)
 STALL = 1.5             # a cycle above this many times its prediction was stalled: not a prediction's miss
 MARGIN_QUANTILE = 0.9   # of the measured / predicted cycle ratios: the margin a class's predicted cycle takes
+TYPICAL_CYCLES = 256    # chunk_gap_reference "typical": the window of the typical cycle's median (a few seconds)
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
 
@@ -135,17 +141,26 @@ class ChunkBudget:
     costs: dict[int, ClassCost] = field(default_factory=dict)
     slopes: deque = field(default_factory=lambda: deque(maxlen=SLOPES))   # ms per prior key, newest last
     errors: deque = field(default_factory=lambda: deque(maxlen=ERRORS))   # measured / predicted cycles, newest last
+    typical_window: int = 0             # cycles whose median without a chunk caps the reference; 0: the base alone
+    quiet: deque = field(default_factory=deque)   # (cycle, ms) of the cycles without a chunk in that window
+    typical_ms: float | None = None     # their median
+    cycles: int = 0                     # cycles observed, all told
     chunk_cycles: int = 0               # cycles with chunks, all told
     since_base: int = 0                 # cycles with chunks since the last one without
 
     @classmethod
-    def for_budget(cls, cap: int, ratio: float, buckets: tuple[int, ...] = LAUNCH_CLASSES) -> ChunkBudget:
-        return cls(cap, ratio, floor=max(1, cap // 32), classes=tuple(b for b in buckets if b < cap) + (cap,))
+    def for_budget(cls, cap: int, ratio: float, buckets: tuple[int, ...] = LAUNCH_CLASSES,
+                   typical_window: int = 0) -> ChunkBudget:
+        return cls(cap, ratio, floor=max(1, cap // 32), classes=tuple(b for b in buckets if b < cap) + (cap,),
+                   typical_window=typical_window)
 
     def observe(self, cycle_ms: float, launches: Sequence[PromptLaunch]) -> None:
         """One verifier cycle (the end of the previous verify to the end of this one) and each launch in it that
         carried prompt tokens. A cycle of several (prompts admitted back to back while nothing decoded, or a chunk
         of its own beside a fused one) has no one class to charge: it counts for nothing."""
+        self.cycles += 1
+        if self.typical_window:
+            self._track_typical(cycle_ms if not launches else None)
         if not launches:
             self.base_ms = self._average(self.base_ms, cycle_ms)
             self.since_base = 0
@@ -187,6 +202,13 @@ class ChunkBudget:
         return max(1.0, errors[min(len(errors) - 1, int(MARGIN_QUANTILE * len(errors)))])
 
     @property
+    def reference_ms(self) -> float | None:
+        """The cycle a chunk cycle is held to ratio x of: the base, or the typical cycle where that is shorter."""
+        if self.base_ms is None or self.typical_ms is None:
+            return self.base_ms
+        return min(self.base_ms, self.typical_ms)
+
+    @property
     def key_ms(self) -> float:
         """What one prior key adds to a launch: the median slope (none measured, or negative: 0)."""
         return max(0.0, statistics.median(self.slopes)) if self.slopes else 0.0
@@ -203,7 +225,8 @@ class ChunkBudget:
         if not prices:
             return ChunkLimit(self.cap, self.floor, probe)
         margin = self.margin
-        allowed_ms = self.ratio * self.base_ms / margin - self.base_ms   # margin x (base + added) <= ratio x base
+        # margin x (base + added) <= ratio x reference
+        allowed_ms = self.ratio * self.reference_ms / margin - self.base_ms
         # depth 0: the largest class that fits (the smallest where none does)
         top = next((i for i in reversed(range(len(prices))) if prices[i].added_ms <= allowed_ms), 0)
         return ChunkLimit(prices[top].launch_tokens, self.floor, probe, prices[:top + 1], key_ms, allowed_ms, margin)
@@ -229,6 +252,17 @@ class ChunkBudget:
     def _fresh_prices(self, key_ms: float | None = None) -> dict[int, float]:
         key_ms = self.key_ms if key_ms is None else key_ms
         return {k: v.added_ms(key_ms) for k, v in self.costs.items() if not self._stale(v)}
+
+    def _track_typical(self, quiet_ms: float | None) -> None:
+        """The window's cycles without a chunk, and their median when they change."""
+        changed = quiet_ms is not None
+        if changed:
+            self.quiet.append((self.cycles, quiet_ms))
+        while self.quiet and self.quiet[0][0] <= self.cycles - self.typical_window:
+            self.quiet.popleft()
+            changed = True
+        if changed:
+            self.typical_ms = statistics.median(ms for _, ms in self.quiet) if self.quiet else None
 
     def _stale(self, cost: ClassCost) -> bool:
         return self.chunk_cycles - cost.seen_at >= self.stale_after

@@ -81,8 +81,9 @@ class ManagerActor:
         await self.manager.abort(request_id)
 
     async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
-                          fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None) -> None:
-        await self.manager.reconfigure(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio)
+                          fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
+                          chunk_gap_reference: str | None = None) -> None:
+        await self.manager.reconfigure(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio, chunk_gap_reference)
 
     def info(self) -> dict:
         return self.manager.info()
@@ -169,12 +170,16 @@ class LLM:
         ray.get(self.manager.abort.remote(request_id))
 
     def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
-                    fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None) -> None:
+                    fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
+                    chunk_gap_reference: str | None = None) -> None:
         """Benchmarks: a new k, per-step prefill budget (0: unchunked), fusion of chunks into verify launches or
-        adaptive chunk ratio (0: off) on an idle engine, same actors and graphs."""
-        ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio))
+        adaptive chunk ratio (0: off) and reference on an idle engine, same actors and graphs."""
+        ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio,
+                                                chunk_gap_reference))
         if chunk_gap_ratio is not None:
             self.config = self.config.model_copy(update={"chunk_gap_ratio": chunk_gap_ratio})
+        if chunk_gap_reference is not None:
+            self.config = self.config.model_copy(update={"chunk_gap_reference": chunk_gap_reference})
         if k is not None:
             self.config = self.config.model_copy(update={"k": k})
         if prefill_chunk_tokens is not None:

@@ -37,7 +37,7 @@ from ..engine.sampling_params import SamplingParams
 from ..observability.heap import CollectorWatch
 from ..observability.metrics import EngineMetrics, request_status
 from .actors import START_TIMEOUT_S, WorkerActors, WorkerSet, wait_for
-from .chunk_budget import ChunkBudget, PromptLaunch
+from .chunk_budget import TYPICAL_CYCLES, ChunkBudget, PromptLaunch
 from .errors import EngineDeadError, EngineOverloadedError
 from .messages import (DraftRound, KVEdits, PrefillRow, PrefillTask, SamplingRow, SlotResume, SpecStep, VerifierResult,
                        VerifyTask)
@@ -177,7 +177,8 @@ class BatchManager:
         """The adaptive chunk (chunk_gap_ratio), within the budget; None: the budget alone."""
         if not config.chunk_gap_ratio or not config.prefill_chunk_tokens:
             return None
-        return ChunkBudget.for_budget(config.prefill_chunk_tokens, config.chunk_gap_ratio)
+        window = TYPICAL_CYCLES if config.chunk_gap_reference == "typical" else 0
+        return ChunkBudget.for_budget(config.prefill_chunk_tokens, config.chunk_gap_ratio, typical_window=window)
 
     # ---- what others read ----------------------------------------------------------------------
     @property
@@ -358,14 +359,15 @@ class BatchManager:
         self.metrics.on_tokens(emitted)
 
     async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
-                          fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None) -> None:
+                          fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
+                          chunk_gap_reference: str | None = None) -> None:
         """Benchmarks and tests: change k, the per-step prefill budget (0: unchunked), whether chunks ride
-        inside verify launches or the adaptive chunk's ratio (0: off) between workloads, keeping the actors, models
-        and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
+        inside verify launches or the adaptive chunk's ratio (0: off) and reference between workloads, keeping the
+        actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
         update = {"k": k, "prefill_chunk_tokens": prefill_chunk_tokens, "fused_prefill": fused_prefill,
-                  "chunk_gap_ratio": chunk_gap_ratio}
+                  "chunk_gap_ratio": chunk_gap_ratio, "chunk_gap_reference": chunk_gap_reference}
         config = self.config.model_copy(update={n: v for n, v in update.items() if v is not None})
         EngineConfig.model_validate(config.model_dump())   # before anything changes
         self.config = config
@@ -383,7 +385,7 @@ class BatchManager:
         return {"mode": self.mode, "k": self.k, "max_batch": self.config.max_batch, "max_len": self.max_len,
                 "running": s.num_running(), "batch_sizes": [len(b) for b in s.batches],
                 "prefill_pending": len(s.unprefilled), "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
-                "chunk_gap_ratio": self.config.chunk_gap_ratio,
+                "chunk_gap_ratio": self.config.chunk_gap_ratio, "chunk_gap_reference": self.config.chunk_gap_reference,
                 "chunk_limit": s.chunk_limit.launch_tokens if s.chunk_limit is not None else None,
                 "fused_prefill": s.config.fuse_prefill, "prefill_order": s.config.prefill_order.value,
                 "queued": len(s.waiting), "slots_in_use": s.slots.num_used, "num_slots": self.num_slots,
