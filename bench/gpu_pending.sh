@@ -38,6 +38,7 @@
 # PART 24 (#22): serve vs offline sd k=2 max_batch 64 with chunks sized to 1.8 x the cycle (the interval / the cycle).
 # (Parts 23 and 24 ran at 4887f19: results in bench/results and docs/design.md.)
 # PART 25 (#24): real traffic ar and sd, the adaptive chunk with the typical reference beside the recent one.
+# (Ran at cb5a030.) PART 26 (#24): the split merge with several rows per program; part 23 again.
 # Order for the next 30-minute device budget: 23, 24; then 21 and 22 again after a change to the split rule or to
 # the chunk budget's reference (docs/design.md, "Adaptive chunks"); 5's proxy rows, 1, 3, 7.
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
@@ -186,10 +187,20 @@ case "${1:?PART}" in
       --out "$OUT/real_traffic_${mode}_typical"
   done
   ;;
+26)  # #24: the split merge (_combine_kernel) with several rows per program (part 23: at 2 waves a 288-token chunk
+     # launch's merge took 356 us per step against 79 without its splits, eating most of what the splits saved deep
+     # in a prompt); the CUDA kernel tests, then part 23's fused step at 1 and 2 waves again
+  step cuda_kernels 100 python -m pytest -q -p no:cacheprovider tests/test_attention_triton.py -k cuda
+  for waves in 1 2; do
+    step "fused_profile_waves$waves" 100 env MINEDRAFT_ATTN_CONFIG="{\"PREFILL_WAVES\": $waves}" \
+      python -m bench.fused_step_profile --batches 32 --chunks 0,128,256,480 --chunk-starts 0,1024,2816 \
+      --kernel-chunks 256 --out "$OUT/fused_profile_waves$waves"
+  done
+  ;;
 16)  # needs third_party/gpt-fast (ignored: fetch pytorch-labs/gpt-fast's model.py there) in the call's carry
   step gpt_fast_peer 540 python -m bench.gpt_fast_peer --gpt-fast third_party/gpt-fast --out "$OUT/gpt_fast_peer"
   ;;
-*) echo "PART is 1, 3, 4, 5, 7, 13-25" >&2; exit 2 ;;
+*) echo "PART is 1, 3, 4, 5, 7, 13-26" >&2; exit 2 ;;
 esac
 # the device hands back only a few files per call: everything goes back as one archive
 tar czf "/tmp/part$1.tgz" -C "$OUT" . && rm -rf "${OUT:?}"/* && mv "/tmp/part$1.tgz" "$OUT/" && say "$OUT/part$1.tgz"

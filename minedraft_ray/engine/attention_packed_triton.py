@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import CONFIG, _combine_kernel, num_sms
+from .attention_triton import CONFIG, combine_splits, num_sms
 
 LOG2E = 1.4426950408889634
 NO_SLOT = tl.constexpr(2147483647)  # larger than any slot id: rows already done never win the min
@@ -246,8 +246,5 @@ def attend_packed_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        _combine_kernel[(T * Hq,)](
-            o_part, lse, out, num_splits, D=D, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if num_splits * block_d > 2048 else 2,
-        )
+        combine_splits(o_part, lse, out, num_splits)
     return out

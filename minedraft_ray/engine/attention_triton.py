@@ -127,18 +127,36 @@ def _attend_split_kernel(
 
 
 @triton.jit
-def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # one (b, i, q head)
+def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS, N_ROWS,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
+    # BLOCK_R consecutive (token, q head) rows per program: one row's splits are too little work for a program
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+    row_ok = row < N_ROWS
+    lse = tl.load(lse_ptr + row[:, None] * NUM_SPLITS + s[None, :],
+                  mask=row_ok[:, None] & (s < NUM_SPLITS)[None, :], other=float("-inf"))  # [BLOCK_R, BLOCK_S]
     seen = lse > float("-inf")
-    w = tl.math.exp2(lse - tl.max(lse, axis=0))  # split 0 always sees key 0, so the max is finite
-    o = tl.load(o_part_ptr + (row * NUM_SPLITS + s)[:, None] * D + d[None, :],
-                mask=seen[:, None] & (d < D)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    # split 0 always sees key 0, so a real row's max is finite; a row past the end gets 0 and stores nothing
+    m = tl.where(row_ok, tl.max(lse, axis=1), 0.0)
+    w = tl.math.exp2(lse - m[:, None])
+    o = tl.load(o_part_ptr + (row[:, None, None] * NUM_SPLITS + s[None, :, None]) * D + d[None, None, :],
+                mask=seen[:, :, None] & (d < D)[None, None, :], other=0.0)  # [BLOCK_R, BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, :, None] * o, axis=1) / tl.where(row_ok, tl.sum(w, axis=1), 1.0)[:, None]
+    tl.store(out_ptr + row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (d < D)[None, :])
+
+
+def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """out[r] = the splits' partial outputs o_part[r, s] weighed by their log2-sum-exp lse[r, s], for every
+    (token, q head) row r; programs of several rows (about 4096 elements each), as one row is a few hundred."""
+    rows, D = out.numel() // out.shape[-1], out.shape[-1]
+    block_d, block_s = triton.next_power_of_2(D), triton.next_power_of_2(num_splits)
+    block_r = max(1, 4096 // (block_s * block_d))
+    _combine_kernel[(triton.cdiv(rows, block_r),)](
+        o_part, lse, out, num_splits, rows, D=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_R=block_r,
+        num_warps=4 if block_r * block_s * block_d > 2048 else 2,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,8 +226,5 @@ def attend_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_warps=num_warps, num_stages=config.num_stages,
     )
     if not direct:
-        _combine_kernel[(B * qlen * Hq,)](
-            o_part, lse, out, num_splits, D=D, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4 if num_splits * block_d > 2048 else 2,
-        )
+        combine_splits(o_part, lse, out, num_splits)
     return out
