@@ -49,7 +49,7 @@ from minedraft_ray.engine.runner import PACKED_GRAPH_TOKENS, ModelRunner, token_
 NAME = "fused_step_profile"
 COLUMNS = ["part", "variant", "buckets", "batch", "chunk_tokens", "launch_tokens", "graph_tokens", "ms", "ms_p90",
            "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles", "mean_context", "chunk_start", "kernel", "calls",
-           "us", "share", "shape", "dtype", "git_sha", "command", "device"]
+           "us", "share", "shape", "dtype", "prefill_waves", "git_sha", "command", "device"]
 TABLE = ["part", "variant", "buckets", "batch", "chunk_tokens", "chunk_start", "launch_tokens", "graph_tokens", "ms",
          "over_decode", "gemm_tflop", "programs", "splits", "longest_tiles"]
 BLOCK_N = 64   # the key tile both layouts walk
@@ -325,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     slots = max(args.batches) + 1   # the rows' slots and the chunk's
     runner = ModelRunner(model, device, num_slots=slots, max_len=args.max_len, max_batch=max(args.batches),
                          cuda_graphs=True)
-    context = run_context(args.target, dtype, device, "bench.fused_step_profile", argv)
+    from minedraft_ray.engine.attention_triton import CONFIG
+
+    # the packed kernel's key splits (MINEDRAFT_ATTN_CONFIG): runs at other settings are told apart by it
+    context = {**run_context(args.target, dtype, device, "bench.fused_step_profile", argv),
+               "prefill_waves": CONFIG.PREFILL_WAVES}
     out = Path(args.out or ("/tmp/fused_step_profile_smoke" if args.smoke else "bench/results"))
     rows: list[dict] = []
 
@@ -351,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
              "64-key tiles from the launch shapes (no device)",
              "chunk_attention: one layer's attention of a chunk alone (prefill blocks) at each chunk_start: `split` "
              "with the launch's key splits (splits), `direct` without (each block walks its whole prefix)",
+             f"packed kernel's PREFILL_WAVES {CONFIG.PREFILL_WAVES} (MINEDRAFT_ATTN_CONFIG; prefill_splits)",
              versions()]
     path = write_results(rows, out, NAME, COLUMNS, "Fused step vs decode step: the chunk's cost and its kernels",
                          context["command"], context["device"], notes, TABLE)

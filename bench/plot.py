@@ -434,6 +434,7 @@ PLOTS = {
     "ingress_burst_cpu": plot_ingress_burst,
     "fused_step_profile": plot_fused_step_profile,
     "fused_buckets": plot_fused_step_profile,   # fused_step_profile --bucket-sets, kept under its own name
+    "fused_step_profile_waves2": plot_fused_step_profile,   # the same call at PREFILL_WAVES 2
     "packed_attention": plot_packed_attention,
     "prefill_order_sim": bar_plot(lambda r: f"{r['order']} {r['budget']}\n+{r['long_prompts']} long", "ttft_p99_ms",
                                   "TTFT P99, ms (mean of runs)", "Prefill order on the scheduler alone (a cost model)"),

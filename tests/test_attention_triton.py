@@ -513,6 +513,47 @@ def test_packed_tiles_follow_the_launch():
         assert launch_shape(tokens, 4, 8, 256, bf16, 132) == (64, 32, 4)
 
 
+@interpreter_only
+@pytest.mark.parametrize("rows_per_program", [1, 4, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_split_merge_takes_several_rows_per_program(rows_per_program, num_splits):
+    """combine_splits against the log-sum-exp merge in torch, with rows that do not fill the last program and
+    splits that saw no key (lse -inf, their partial output never written: NaN here, so reading one fails)."""
+    from minedraft_ray.engine.attention_triton import combine_splits
+
+    g = torch.Generator().manual_seed(rows_per_program * 10 + num_splits)
+    rows, D = 37, 24   # 37 rows: the last program's rows past the end store nothing
+    o_part = torch.randn(rows, num_splits, D, generator=g)
+    lse = torch.randn(rows, num_splits, generator=g) * 3
+    if num_splits > 1:
+        lse[::2, -1] = float("-inf")   # a split past these rows' keys
+        o_part[::2, -1] = float("nan")
+    out = torch.full((rows, D), float("nan"))
+    combine_splits(o_part, lse, out, num_splits, rows_per_program=rows_per_program)
+    w = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=1)   # lse is in log2 units
+    ref = (w[:, :, None] * torch.nan_to_num(o_part)).sum(1)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_split_merge_programs_keep_the_sms_busy():
+    """Several rows per program only where that still leaves COMBINE_WAVES programs per SM: a decode step's 1,024
+    rows keep one each, a packed launch's 9,216 (288 tokens x 32 heads) go 16 to a program."""
+    import minedraft_ray.engine.attention_triton as attention_triton
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid[0], kw["BLOCK_R"], kw["num_warps"]))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_triton, "_combine_kernel", Recorder())
+        for rows, splits in [(1024, 2), (9216, 2), (9216, 64), (16, 2)]:
+            out = torch.empty(rows, 128)
+            attention_triton.combine_splits(None, None, out, splits)
+    assert launched == [(1024, 1, 2), (576, 16, 4), (9216, 1, 4), (16, 1, 2)]
+
+
 def test_short_prefill_launches_split_their_keys():
     """A launch whose prefill blocks fill the SMs keeps one split; a short one (a small chunk late in a long
     prompt) splits its keys until the programs fill them, never into more pieces than a slot has key tiles."""

@@ -126,6 +126,9 @@ def _attend_split_kernel(
                  mask=(row_ok & seen)[:, None] & d_ok[None, :])
 
 
+COMBINE_WAVES = 4   # split-merge programs per SM at least, before a program takes several rows
+
+
 @triton.jit
 def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS, N_ROWS,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -147,15 +150,22 @@ def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS, N_ROWS,
              mask=row_ok[:, None] & (d < D)[None, :])
 
 
-def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                   rows_per_program: int | None = None) -> None:
     """out[r] = the splits' partial outputs o_part[r, s] weighed by their log2-sum-exp lse[r, s], for every
-    (token, q head) row r; programs of several rows (about 4096 elements each), as one row is a few hundred."""
+    (token, q head) row r. A program takes several rows (up to about 4096 elements) while the programs still number
+    COMBINE_WAVES x the SMs: a packed launch's thousands of one-row programs spent more on themselves than on their
+    few hundred elements each, while a decode step's ~1,000 rows keep one each (fewer, larger programs left SMs
+    idle: bench/results, docs/design.md)."""
     rows, D = out.numel() // out.shape[-1], out.shape[-1]
     block_d, block_s = triton.next_power_of_2(D), triton.next_power_of_2(num_splits)
-    block_r = max(1, 4096 // (block_s * block_d))
-    _combine_kernel[(triton.cdiv(rows, block_r),)](
-        o_part, lse, out, num_splits, rows, D=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_R=block_r,
-        num_warps=4 if block_r * block_s * block_d > 2048 else 2,
+    if rows_per_program is None:
+        by_size = max(1, 4096 // (block_s * block_d))
+        by_programs = max(1, rows // (COMBINE_WAVES * num_sms(out.device)))
+        rows_per_program = min(by_size, 1 << (by_programs.bit_length() - 1))   # a power of two
+    _combine_kernel[(triton.cdiv(rows, rows_per_program),)](
+        o_part, lse, out, num_splits, rows, D=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_R=rows_per_program,
+        num_warps=4 if rows_per_program * block_s * block_d > 2048 else 2,
     )
 
 
