@@ -13,7 +13,10 @@ engine's ratio, and before each single-launch cycle of a class it had priced, th
 - the chunk cycles against the base the budget held them to (its moving average then) and against the run's
   median cycle without a chunk (the issue's yardstick), and that base against the same median;
 - how often a reference of min(base, the median cycle without a chunk over the last --typical-cycles cycles) would
-  have bound (cut the added time allowed by 5 % or more), and by how much.
+  have bound (cut the added time allowed by 5 % or more), and by how much;
+- the chunk cycles above ratio x the run's median (those that set the issue's gap P99), by why: their class had no
+  price yet (explored), they ran over 1.1x their prediction (missed), or they were predicted and allowed because
+  the reference then was high (predicted).
 The replay cannot say which chunks the budget would then have chosen: only a run can.
 """
 from __future__ import annotations
@@ -21,12 +24,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 from bench.common import markdown_table
 
 DEEP_KEYS = 200_000   # prior keys from which a chunk counts as deep in its prompt
+MISSED = 1.1          # a cycle above this many times its prediction: the price missed it
 
 
 def quantiles(values: list[float], points=(0.1, 0.5, 0.9)) -> str:
@@ -47,6 +51,7 @@ def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
     quiet_median = statistics.median(r["step_ms"] for r in cycles if not r["prefill_launches"])
     recent = deque(maxlen=typical_cycles)   # (cycle, ms) without a chunk
     errors, deep, margins, key_ms, over_base, over_median, base_share, cuts = [], [], [], [], [], [], [], []
+    over_ratio = Counter()   # chunk cycles above ratio x the run's median, by why
     for i, r in enumerate(cycles):
         launches = r["prefill_launches"]
         if launches and budget.base_ms is not None:
@@ -62,6 +67,9 @@ def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
                 if reference < 0.95 * held:
                     cuts.append(max(0.0, reference) / held)
             predicted = budget.predicted_cycle_ms(PromptLaunch(r["launch_tokens"], r["prior_keys"]))
+            if r["step_ms"] > budget.ratio * quiet_median:
+                over_ratio["several launches" if launches > 1 else "explored" if predicted is None else
+                           "missed" if r["step_ms"] > MISSED * predicted else "predicted"] += 1
             if launches == 1 and predicted:
                 errors.append(r["step_ms"] / predicted)
                 if r["prior_keys"] >= DEEP_KEYS:
@@ -78,7 +86,8 @@ def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
             "chunk / base P50/90/99": quantiles(over_base, (0.5, 0.9, 0.99)),
             "chunk / run median P50/90/99": quantiles(over_median, (0.5, 0.9, 0.99)),
             "base / run median P10/50/90": quantiles(base_share),
-            "min(base, typical) binds": f"{len(cuts)} of {chunk_cycles}, allowed x {quantiles(cuts)}"}
+            "min(base, typical) binds": f"{len(cuts)} of {chunk_cycles}, allowed x {quantiles(cuts)}",
+            "over ratio x run median": ", ".join(f"{why} {n}" for why, n in sorted(over_ratio.items())) or "0"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -282,3 +282,10 @@ def test_chunk_budget_replay_reads_recorded_cycles(tmp_path, capsys):
     line = next(row for row in table.splitlines() if row.startswith("| ar | fused:512@2 | abc1234 | 120 | 60 |"))
     assert "| 1 / 1 / 1 / 1 (n 58) |" in line, line   # the two classes' first launches predict nothing
     assert "padded" not in table
+    assert line.endswith("| 0 |"), line   # no chunk cycle above 2 x the run's median (9.6 against 12 ms)
+    # a 256-token cycle at 20 ms (its price predicts 9.6) and a first 512-token one at 13 (no price): above 2 x 6
+    rows[-1:] = [{**rows[1], "step": 120, "step_ms": 20.0, "launch_tokens": 256},
+                 {**rows[1], "step": 121, "step_ms": 13.0, "launch_tokens": 512}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert main([str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| explored 1, missed 1 |")
