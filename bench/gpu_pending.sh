@@ -38,7 +38,9 @@
 # PART 24 (#22): serve vs offline sd k=2 max_batch 64 with chunks sized to 1.8 x the cycle (the interval / the cycle).
 # (Parts 23 and 24 ran at 4887f19: results in bench/results and docs/design.md.)
 # PART 25 (#24): real traffic ar and sd, the adaptive chunk with the typical reference beside the recent one.
-# (Ran at cb5a030.) PART 26 (#24): the split merge with several rows per program; part 23 again.
+# (Ran at cb5a030; sd's step needed more than its 290 s with three engines: rerun one mode per call.) PART 26 (#24):
+# the split merge with several rows per program; part 23 again. (Ran at e4ac53a.)
+# Order for the next 30-minute device budget: 3, 7; 13 again at max_batch 256 with two direct replicas for sd.
 # Order for the next 30-minute device budget: 23, 24; then 21 and 22 again after a change to the split rule or to
 # the chunk budget's reference (docs/design.md, "Adaptive chunks"); 5's proxy rows, 1, 3, 7.
 # Parts 13 and 16 ran at d971251. Order for a 30-minute device budget: 19, 5; 17 again after a change to the
