@@ -10,10 +10,11 @@ engine's ratio, and before each single-launch cycle of a class it had priced, th
 (base + the class's price + key_ms x the launch's prior keys) is set against the one measured. Reported:
 - measured / predicted: P10/P50/P90/P99, over all such cycles and over those 200k+ prior keys deep;
 - margin and key_ms over the run's chunk cycles (P10/P50/P90);
-- the chunk cycles against the base the budget held them to (its moving average then) and against the run's
-  median cycle without a chunk (the issue's yardstick), and that base against the same median;
+- the chunk cycles against the reference the budget held them to (the base, its moving average then, or with
+  chunk_gap_reference typical the shorter of that and its window's median) and against the run's median cycle
+  without a chunk (the issue's yardstick), and that reference against the same median;
 - how often a reference of min(base, the median cycle without a chunk over the last --typical-cycles cycles) would
-  have bound (cut the added time allowed by 5 % or more), and by how much;
+  have bound (cut the added time the base allows by 5 % or more), and by how much;
 - the chunk cycles above ratio x the run's median (those that set the issue's gap P99), by why: their class had no
   price yet (explored), they ran over 1.1x their prediction (missed), or they were predicted and allowed because
   the reference then was high (predicted).
@@ -57,10 +58,10 @@ def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
         if launches and budget.base_ms is not None:
             margins.append(budget.margin)
             key_ms.append(budget.key_ms)
-            over_base.append(r["step_ms"] / budget.base_ms)
+            over_base.append(r["step_ms"] / budget.reference_ms)
             over_median.append(r["step_ms"] / quiet_median)
-            base_share.append(budget.base_ms / quiet_median)
-            typical = [ms for j, ms in recent if j > i - typical_cycles]
+            base_share.append(budget.reference_ms / quiet_median)
+            typical = [ms for j, ms in recent if j >= i - typical_cycles]   # the budget's window at this cycle
             if typical:
                 held = budget.base_ms * (budget.ratio - 1.0)
                 reference = budget.ratio * min(budget.base_ms, statistics.median(typical)) - budget.base_ms
@@ -83,9 +84,9 @@ def replay(cycles: list[dict], engine: str, typical_cycles: int) -> dict:
             "measured_over_predicted P10/50/90/99": quantiles(errors, (0.1, 0.5, 0.9, 0.99)) + f" (n {len(errors)})",
             "deep P10/50/90": quantiles(deep) + f" (n {len(deep)})",
             "margin P10/50/90": quantiles(margins), "key_ms P10/50/90": quantiles(key_ms),
-            "chunk / base P50/90/99": quantiles(over_base, (0.5, 0.9, 0.99)),
+            "chunk / reference P50/90/99": quantiles(over_base, (0.5, 0.9, 0.99)),
             "chunk / run median P50/90/99": quantiles(over_median, (0.5, 0.9, 0.99)),
-            "base / run median P10/50/90": quantiles(base_share),
+            "reference / run median P10/50/90": quantiles(base_share),
             "min(base, typical) binds": f"{len(cuts)} of {chunk_cycles}, allowed x {quantiles(cuts)}",
             "over ratio x run median": ", ".join(f"{why} {n}" for why, n in sorted(over_ratio.items())) or "0"}
 

@@ -248,9 +248,9 @@ class EngineSpec:
     def parse(cls, spec: str) -> EngineSpec:
         head, _, adaptive = spec.partition("@")
         kind, _, chunk = head.partition(":")
-        ratio, _, reference = adaptive.partition("/")
-        if (kind not in ENGINES or ((chunk or ratio) and kind == "padded") or (reference and not ratio)
-                or reference not in ("", "recent", "typical")):
+        ratio, slash, reference = adaptive.partition("/")
+        if (kind not in ENGINES or ((chunk or ratio) and kind == "padded") or (slash and not ratio)
+                or reference not in (("recent", "typical") if slash else ("",))):
             raise ValueError(f"unknown engine {spec!r}: one of {', '.join(ENGINES)}, chunked/fused optionally "
                              f":TOKENS and @GAP_RATIO[/recent|/typical]")
         return cls(kind, int(chunk) if chunk else None, float(ratio) if ratio else None, reference or None)
@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(out: Path, rows: list[dict], work: Workload, args, steps: list[dict] = ()) -> Path:
     """steps: the rows' --steps, described in the notes too."""
+    from minedraft_ray.runtime.chunk_budget import TYPICAL_CYCLES
+
     notes = [work.describe(),
              f"max_batch {args.max_batch}; sd: k={args.k}, synthetic acceptance alpha={args.alpha}; "
              f"{args.n_closed} closed requests; online {args.online_s:g} s of Poisson arrivals per load at "
@@ -462,8 +464,8 @@ def write(out: Path, rows: list[dict], work: Workload, args, steps: list[dict] =
              "arrival-to-first-token window, or none; online_pooled: all loads together",
              "@RATIO (e.g. fused:512@2): chunk_gap_ratio, the chunk sized from the engine's step times so that a "
              "step with one takes at most RATIO x one without (the recent ones' moving average), within the budget; "
-             "@RATIO/typical: x the shorter of that and the median step without one over the last 256 "
-             "(chunk_gap_reference typical)",
+             f"@RATIO/typical: x the shorter of that and the median step without one over the last "
+             f"{TYPICAL_CYCLES} (chunk_gap_reference typical)",
              "prefill_order: who takes the step's prefill budget first (shortest: the fewest prompt tokens left, a "
              "prompt overtaken by its own length first; arrival: first come, first served)"]
     if args.long_prompts:

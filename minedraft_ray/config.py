@@ -36,6 +36,9 @@ def is_hub_id(spec: str | os.PathLike | None) -> bool:
     return bool(_HUB_ID.fullmatch(spec)) and ".." not in spec and not os.path.exists(spec)
 
 
+ChunkGapReference = Literal["recent", "typical"]   # what chunk_gap_ratio multiplies (runtime/chunk_budget.py)
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -97,7 +100,7 @@ class EngineConfig(BaseModel):
         "times so that a step with a chunk takes at most this many times one without (2: a running request's time "
         "between tokens at most doubles while prompts prefill; a long prompt's own first token comes later), "
         "within prefill_chunk_tokens; 0: the fixed budget (runtime/chunk_budget.py)")
-    chunk_gap_reference: Literal["recent", "typical"] = Field(
+    chunk_gap_reference: ChunkGapReference = Field(
         "recent", description="the step without a chunk that chunk_gap_ratio multiplies: the recent ones' moving "
         "average (recent, which grows with the batch while prompts arrive), or the shorter of that and the median "
         "of those over the last few hundred steps (typical: what a running request usually waits; smaller chunks "
@@ -181,6 +184,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"chunk_gap_ratio is 0 (a fixed budget) or above 1, not {self.chunk_gap_ratio}")
         if self.chunk_gap_ratio and self.prefill_chunk_tokens == 0:
             raise ValueError("chunk_gap_ratio sizes chunks within a budget: prefill_chunk_tokens 0 has none")
+        if self.chunk_gap_reference != "recent" and not self.chunk_gap_ratio:
+            raise ValueError("chunk_gap_reference is what chunk_gap_ratio multiplies: set the ratio too")
         if self.ingress_max_replicas is not None and self.ingress_replicas > self.ingress_max_replicas:
             raise ValueError(f"ingress_replicas ({self.ingress_replicas}) > ingress_max_replicas "
                              f"({self.ingress_max_replicas})")

@@ -20,7 +20,7 @@ TINY_SD = {"mode": "sd", "k": 3, "max_batch": 3, "stream_interval_ms": 0.0}
 TINY_PSD = {"mode": "psd", "k": 3, "max_batch": 3, "psd_low_load": "psd", "psd_high_load": "psd"}
 
 # what a test may change in place (LLM.reconfigure), as the engine's info reports it
-RECONFIGURABLE = ("k", "prefill_chunk_tokens", "fused_prefill", "chunk_gap_ratio")
+RECONFIGURABLE = ("k", "prefill_chunk_tokens", "fused_prefill", "chunk_gap_ratio", "chunk_gap_reference")
 
 
 class EngineCache:

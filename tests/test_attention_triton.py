@@ -528,11 +528,14 @@ def test_split_merge_takes_several_rows_per_program(rows_per_program, num_splits
     if num_splits > 1:
         lse[::2, -1] = float("-inf")   # a split past these rows' keys
         o_part[::2, -1] = float("nan")
-    out = torch.full((rows, D), float("nan"))
-    combine_splits(o_part, lse, out, num_splits, rows_per_program=rows_per_program)
+    guarded = torch.full((rows + 16, D), float("nan"))   # rows past the end must stay untouched
+    combine_splits(o_part, lse, guarded[:rows], num_splits, rows_per_program=rows_per_program)
     w = torch.softmax(lse * torch.log(torch.tensor(2.0)), dim=1)   # lse is in log2 units
     ref = (w[:, :, None] * torch.nan_to_num(o_part)).sum(1)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(guarded[:rows], ref, atol=1e-5, rtol=1e-5)
+    assert guarded[rows:].isnan().all()
+    with pytest.raises(ValueError, match="power of two"):
+        combine_splits(o_part, lse, guarded[:rows], num_splits, rows_per_program=3)
 
 
 def test_split_merge_programs_keep_the_sms_busy():

@@ -150,6 +150,7 @@ def test_small_budgets_still_have_sizes_to_choose_from():
 @pytest.mark.parametrize("settings, error", [
     ({"chunk_gap_ratio": 1.0}, r"0 \(a fixed budget\) or above 1"),
     ({"chunk_gap_ratio": 2.0, "prefill_chunk_tokens": 0}, "prefill_chunk_tokens 0 has none"),
+    ({"chunk_gap_reference": "typical"}, "set the ratio too"),
 ])
 def test_the_ratio_is_checked(settings, error):
     with pytest.raises(ValueError, match=error):
@@ -306,7 +307,8 @@ def test_stalled_cycles_and_stale_classes_are_not_prediction_errors(stall_filter
 
 
 @pytest.mark.parametrize("typical", [True, pytest.param(False, marks=pytest.mark.xfail(
-    strict=True, reason="planted: the recent base alone lets chunk cycles grow with a batch larger than usual"))])
+    strict=True, raises=AssertionError,
+    reason="planted: the recent base alone lets chunk cycles grow with a batch larger than usual"))])
 def test_a_typical_reference_holds_chunk_cycles_to_what_a_request_usually_waits(typical):
     """While prompts arrive the batch is larger than usual and so is the base (the recent cycles without a chunk):
     held to ratio x that base, chunk cycles run past ratio x what a running request usually waits. With the
@@ -326,13 +328,18 @@ def test_a_typical_reference_holds_chunk_cycles_to_what_a_request_usually_waits(
 
 
 def test_the_typical_window_keeps_only_its_cycles():
+    """The typical cycle is the median of the cycles without a chunk among the last typical_window cycles: a
+    cycle leaves it typical_window cycles later, chunk cycles or not; an empty window leaves the base alone."""
     budget = ChunkBudget.for_budget(cap=512, ratio=2.0, typical_window=4)
-    for ms in (10.0, 1.0, 1.0):
-        budget.observe(ms, [])
+    budget.observe(10.0, [])
+    budget.observe(1.0, [])
+    assert budget.typical_ms == 5.5   # an even count: the mean of the middle two
+    budget.observe(1.0, [])
     assert budget.typical_ms == 1.0
     budget.observe(20.0, [PromptLaunch(64)])
     budget.observe(20.0, [PromptLaunch(64)])   # 10.0's cycle (the first) has left the window of 4
-    assert [ms for _, ms in budget.quiet] == [1.0, 1.0] and budget.typical_ms == 1.0
+    assert [ms for _, ms in budget.quiet] == budget.quiet_sorted == [1.0, 1.0] and budget.typical_ms == 1.0
     budget.observe(20.0, [PromptLaunch(64)])
     budget.observe(20.0, [PromptLaunch(64)])
-    assert not budget.quiet and budget.typical_ms is None and budget.reference_ms == budget.base_ms
+    assert not budget.quiet and not budget.quiet_sorted and budget.typical_ms is None
+    assert budget.reference_ms == budget.base_ms

@@ -77,6 +77,7 @@ def test_chunked_prefill_equals_ar_at_every_chunk_size(shared_engines, tiny_llam
         for fused in ((True,) if mode == "sd" else (False,)):
             reconfigure_when_idle(llm, prefill_chunk_tokens=13, fused_prefill=fused, chunk_gap_ratio=1.5,
                                   chunk_gap_reference="typical" if mode == "sd" else "recent")
+            assert llm.info()["chunk_gap_reference"] == ("typical" if mode == "sd" else "recent")
             step = llm.info()["steps"]
             outs = llm.generate(PROMPTS, [greedy(n) for n in LENGTHS])
             assert [o.token_ids for o in outs] == [r.token_ids for r in reference], ("adaptive", fused)

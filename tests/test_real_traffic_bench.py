@@ -155,6 +155,6 @@ def test_engine_specs_parse_budget_ratio_and_reference():
     assert EngineSpec.parse("fused:256") == EngineSpec("fused", 256)
     assert EngineSpec.parse("fused:512@2") == EngineSpec("fused", 512, 2.0)
     assert EngineSpec.parse("fused:512@2/typical") == EngineSpec("fused", 512, 2.0, "typical")
-    for bad in ("padded:256", "padded@2", "fused/typical", "fused@2/usual", "wide"):
+    for bad in ("padded:256", "padded@2", "fused/typical", "fused@2/usual", "fused@2/", "fused@/typical", "wide"):
         with pytest.raises(ValueError):
             EngineSpec.parse(bad)

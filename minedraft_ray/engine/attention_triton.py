@@ -39,6 +39,8 @@ class LaunchConfig:
     TARGET_WAVES: int = 2  # stage-1 programs per SM we aim for when choosing the number of splits
     MAX_SPLITS: int = 64
     PREFILL_WAVES: int = 1  # programs per SM a short prefill launch's key splits aim for (packed kernel)
+    COMBINE_WAVES: int = 4  # split-merge programs per SM at least, before a program takes several rows
+    COMBINE_ELEMENTS: int = 4096  # a split-merge program's rows x splits x head dim at most (several rows)
 
 
 def config_from_env() -> LaunchConfig:
@@ -126,9 +128,6 @@ def _attend_split_kernel(
                  mask=(row_ok & seen)[:, None] & d_ok[None, :])
 
 
-COMBINE_WAVES = 4   # split-merge programs per SM at least, before a program takes several rows
-
-
 @triton.jit
 def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS, N_ROWS,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -153,16 +152,18 @@ def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, NUM_SPLITS, N_ROWS,
 def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, num_splits: int,
                    rows_per_program: int | None = None) -> None:
     """out[r] = the splits' partial outputs o_part[r, s] weighed by their log2-sum-exp lse[r, s], for every
-    (token, q head) row r. A program takes several rows (up to about 4096 elements) while the programs still number
-    COMBINE_WAVES x the SMs: a packed launch's thousands of one-row programs spent more on themselves than on their
-    few hundred elements each, while a decode step's ~1,000 rows keep one each (fewer, larger programs left SMs
-    idle: bench/results, docs/design.md)."""
+    (token, q head) row r. A program takes several rows (up to CONFIG.COMBINE_ELEMENTS elements) while the
+    programs still number CONFIG.COMBINE_WAVES x the SMs: a packed launch's thousands of one-row programs spent more
+    on themselves than on their few hundred elements each, while a decode step's 1,024 rows (batch 32, 32 heads)
+    merged slower in fewer, larger programs (docs/design.md). rows_per_program: a power of two, or the rule's."""
     rows, D = out.numel() // out.shape[-1], out.shape[-1]
     block_d, block_s = triton.next_power_of_2(D), triton.next_power_of_2(num_splits)
     if rows_per_program is None:
-        by_size = max(1, 4096 // (block_s * block_d))
-        by_programs = max(1, rows // (COMBINE_WAVES * num_sms(out.device)))
+        by_size = max(1, CONFIG.COMBINE_ELEMENTS // (block_s * block_d))
+        by_programs = max(1, rows // (CONFIG.COMBINE_WAVES * num_sms(out.device)))
         rows_per_program = min(by_size, 1 << (by_programs.bit_length() - 1))   # a power of two
+    if rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program is a power of two, not {rows_per_program}")
     _combine_kernel[(triton.cdiv(rows, rows_per_program),)](
         o_part, lse, out, num_splits, rows, D=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_R=rows_per_program,
         num_warps=4 if rows_per_program * block_s * block_d > 2048 else 2,

@@ -9,7 +9,8 @@ padded to 256 does). A per-token price learnt from one size misprices the next, 
 between a bucket that fits and one that does not, the second's cycles overrunning the ratio. So each class is priced
 by the time its last few launches added (the cycle less the base, the moving average of cycles without a chunk;
 their median, so one stalled cycle does not reprice a class in use, and a rising cost is followed closely), and the
-next chunk's launch is the largest class whose time fits (ratio - 1) x base. A class not yet run is priced as the
+next chunk's launch is the largest class whose time fits ratio x reference - base (the reference: the base, or
+below). A class not yet run is priced as the
 nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and known),
 or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after` chunk
 cycles, since it may have been measured in a stall or at another batch: the class above the one in use is tried
@@ -31,7 +32,7 @@ chunk varies by itself (the base is an average): a limit sized to the ratio woul
 at the tail the ratio is meant for. So the budget also keeps what its own predictions missed by: each cycle of a
 class already priced is compared with the cycle predicted for it (the base plus the class's price at the chunk's
 depth), and a class fits when its predicted cycle times the `MARGIN_QUANTILE` of the last `ERRORS` such ratios
-(`margin`, at least 1) is within ratio x base. A model that predicts well keeps its chunks; one that misses widely
+(`margin`, at least 1) is within ratio x the reference. A model that predicts well keeps its chunks; one that misses widely
 takes smaller ones, as much smaller as it misses. A cycle more than `STALL` x its prediction was stalled by
 something a chunk does not cause (a Ray turnaround, a collection) and is left out, as the prices' medians leave it
 out: a smaller chunk would not have shortened it.
@@ -53,6 +54,7 @@ Pure: the manager feeds it each verify's cycle and the launches in it that carri
 scheduler `next_limit()` (Scheduler.chunk_limit)."""
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -69,7 +71,7 @@ ERRORS = 32             # the newest cycles measured against their prediction, w
 MIN_ERRORS = 16         # fewer: no margin (1)
 STALL = 1.5             # a cycle above this many times its prediction was stalled: not a prediction's miss
 MARGIN_QUANTILE = 0.9   # of the measured / predicted cycle ratios: the margin a class's predicted cycle takes
-TYPICAL_CYCLES = 256    # chunk_gap_reference "typical": the window of the typical cycle's median (a few seconds)
+TYPICAL_CYCLES = 256    # chunk_gap_reference "typical": the cycles whose median without a chunk is the typical one
 # below the smallest graph, doublings: a small budget (a test's, a small CPU model's) still has sizes to choose from
 LAUNCH_CLASSES = tuple(n for n in (1, 2, 4, 8) if n < PACKED_GRAPH_TOKENS[0]) + PACKED_GRAPH_TOKENS
 
@@ -143,7 +145,7 @@ class ChunkBudget:
     errors: deque = field(default_factory=lambda: deque(maxlen=ERRORS))   # measured / predicted cycles, newest last
     typical_window: int = 0             # cycles whose median without a chunk caps the reference; 0: the base alone
     quiet: deque = field(default_factory=deque)   # (cycle, ms) of the cycles without a chunk in that window
-    typical_ms: float | None = None     # their median
+    quiet_sorted: list = field(default_factory=list)   # their ms, ascending
     cycles: int = 0                     # cycles observed, all told
     chunk_cycles: int = 0               # cycles with chunks, all told
     since_base: int = 0                 # cycles with chunks since the last one without
@@ -253,16 +255,22 @@ class ChunkBudget:
         key_ms = self.key_ms if key_ms is None else key_ms
         return {k: v.added_ms(key_ms) for k, v in self.costs.items() if not self._stale(v)}
 
+    @property
+    def typical_ms(self) -> float | None:
+        """The median cycle without a chunk over the window (None: none in it)."""
+        ordered, n = self.quiet_sorted, len(self.quiet_sorted)
+        if not n:
+            return None
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
     def _track_typical(self, quiet_ms: float | None) -> None:
-        """The window's cycles without a chunk, and their median when they change."""
-        changed = quiet_ms is not None
-        if changed:
+        """The window's cycles without a chunk, kept in order as well (a median per cycle without a sort)."""
+        if quiet_ms is not None:
             self.quiet.append((self.cycles, quiet_ms))
+            bisect.insort(self.quiet_sorted, quiet_ms)
         while self.quiet and self.quiet[0][0] <= self.cycles - self.typical_window:
-            self.quiet.popleft()
-            changed = True
-        if changed:
-            self.typical_ms = statistics.median(ms for _, ms in self.quiet) if self.quiet else None
+            _, ms = self.quiet.popleft()
+            del self.quiet_sorted[bisect.bisect_left(self.quiet_sorted, ms)]
 
     def _stale(self, cost: ClassCost) -> bool:
         return self.chunk_cycles - cost.seen_at >= self.stale_after

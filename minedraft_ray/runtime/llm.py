@@ -16,7 +16,7 @@ prepare_token_auth()   # before Ray's import, which fixes its auth mode
 import ray  # noqa: E402
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import EngineConfig
+from ..config import ChunkGapReference, EngineConfig
 from ..engine.request import GenerationOutput
 from ..engine.sampling_params import SamplingParams
 from .actors import WorkerSet
@@ -82,7 +82,7 @@ class ManagerActor:
 
     async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
                           fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
-                          chunk_gap_reference: str | None = None) -> None:
+                          chunk_gap_reference: ChunkGapReference | None = None) -> None:
         await self.manager.reconfigure(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio, chunk_gap_reference)
 
     def info(self) -> dict:
@@ -171,7 +171,7 @@ class LLM:
 
     def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
                     fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
-                    chunk_gap_reference: str | None = None) -> None:
+                    chunk_gap_reference: ChunkGapReference | None = None) -> None:
         """Benchmarks: a new k, per-step prefill budget (0: unchunked), fusion of chunks into verify launches or
         adaptive chunk ratio (0: off) and reference on an idle engine, same actors and graphs."""
         ray.get(self.manager.reconfigure.remote(k, prefill_chunk_tokens, fused_prefill, chunk_gap_ratio,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ray.util.placement_group import PlacementGroup
 
-from ..config import EngineConfig
+from ..config import ChunkGapReference, EngineConfig
 from ..engine.devices import cuda_available
 from ..engine.hf_config import ModelSpec
 from ..engine.kv_blocks import CacheSizeError
@@ -360,12 +360,14 @@ class BatchManager:
 
     async def reconfigure(self, k: int | None = None, prefill_chunk_tokens: int | None = None,
                           fused_prefill: bool | None = None, chunk_gap_ratio: float | None = None,
-                          chunk_gap_reference: str | None = None) -> None:
+                          chunk_gap_reference: ChunkGapReference | None = None) -> None:
         """Benchmarks and tests: change k, the per-step prefill budget (0: unchunked), whether chunks ride
         inside verify launches or the adaptive chunk's ratio (0: off) and reference between workloads, keeping the
         actors, models and CUDA graphs. Only while idle: drafts in flight would carry the old k."""
         if self.sched.waiting or self.sched.num_running() or self.inflight:
             raise RuntimeError("reconfigure needs an idle engine")
+        if chunk_gap_ratio == 0 and chunk_gap_reference is None:
+            chunk_gap_reference = "recent"   # the adaptive chunk off: its reference with it
         update = {"k": k, "prefill_chunk_tokens": prefill_chunk_tokens, "fused_prefill": fused_prefill,
                   "chunk_gap_ratio": chunk_gap_ratio, "chunk_gap_reference": chunk_gap_reference}
         config = self.config.model_copy(update={n: v for n, v in update.items() if v is not None})
