@@ -274,6 +274,21 @@ def test_packed_padding_tokens_share_a_row(attend_packed_cpu):
 
 
 @interpreter_only
+@pytest.mark.parametrize("poison", ["nan_v", "inf_k"])
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known (docs/design.md, packed prefill): a non-finite "
+                   "K or V of one request reaches the other requests' rows of its block (0 x NaN; inf + SHUT)")
+def test_packed_non_finite_kv_of_one_request_stays_in_it(attend_packed_cpu, poison):
+    """Slot 0's cache holds a NaN value (or an infinite key) among the keys before its chunk, in a tile read without
+    the mask: its own rows may go non-finite, the other request's rows in the same block must not."""
+    case = make_packed_case([(0, 20, 5), (1, 20, 5)], groups=2, head_dim=16, dtype=torch.float32)
+    q, k_cache, v_cache, token_slots, positions = case
+    (v_cache if poison == "nan_v" else k_cache)[0, 2] = float("nan") if poison == "nan_v" else float("inf")
+    out = paged(attend_packed_cpu, case, 4, scale=0.25, block_m=64, block_n=16)
+    other = token_slots == 1
+    torch.testing.assert_close(out[other], reference_packed(*case, scale=0.25)[other], **TOL[torch.float32])
+
+
+@interpreter_only
 def test_packed_torch_reference_matches(attend_packed_cpu):
     from minedraft_ray.engine.attention import attend_packed_reference
 
