@@ -47,7 +47,7 @@ def server(ray_cluster, tiny_llama, tiny_llama_draft):
     args = {"target": str(tiny_llama), "draft": str(tiny_llama_draft), "model_name": MODEL, "mode": "psd", "k": 2,
             "max_batch": MAX_BATCH, "max_queued": MAX_QUEUED, "max_len": 1024, "torch_threads": 1,
             "max_body_bytes": APP_BODY_LIMIT, "body_timeout_s": TEST_LIMITS.body_timeout_s,
-            "health_check_period_s": 0.5, "graceful_shutdown_s": 1}
+            "health_check_period_s": 0.5, "graceful_shutdown_s": 3}   # 3 s: a short stream drains on a loaded CPU
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     http = serve.context._get_global_client().http_config
     serve.run(build_app_with_key(args, KEY), name=APP, route_prefix=PREFIX)
