@@ -2,20 +2,19 @@
 (`chunk_gap_ratio`): a running request waits one verifier cycle per output, so a cycle that carries a chunk should
 take at most ratio x one that does not.
 
-What a chunk adds to its cycle is priced per launch class, not per token: a launch is padded to its token
-bucket (the CUDA graph it replays: engine/launch_buckets.py), so its time is a step function of its tokens, with a
-jump where the launch leaves the decode path (on an H200 a fused launch padded to 128 tokens costs nearly what one
-padded to 256 does). A per-token price learnt from one size misprices the next, and a chunk sized from it swings
-between a bucket that fits and one that does not, the second's cycles overrunning the ratio. So each class is priced
-by the time its last few launches added (the cycle less the base, the moving average of cycles without a chunk;
-their median, so one stalled cycle does not reprice a class in use, and a rising cost is followed closely), and the
-next chunk's launch is the largest class whose time fits ratio x reference - base (the reference: the base, or
-below). A class not yet run is priced as the
-nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried, once, and known),
-or with none below, as the nearest above scaled down to its tokens; so is one not run for `stale_after` chunk
-cycles, since it may have been measured in a stall or at another batch: the class above the one in use is tried
-again about that often. Nothing measured: the configured budget. The same classes price an unpadded launch (no
-graphs, the CPU), whose time grows smoothly: a coarser grid, not a wrong one.
+What a chunk adds to its cycle is priced per launch class, not per token: a launch is padded to its token bucket (the
+CUDA graph it replays: engine/launch_buckets.py), so its time is a step function of its tokens, with a jump where the
+launch leaves the decode path (on an H200 a fused launch padded to 128 tokens costs nearly what one padded to 256
+does). A per-token price learnt from one size misprices the next, and a chunk sized from it swings between a bucket
+that fits and one that does not, the second's cycles overrunning the ratio. So each class is priced by the time its
+last few launches added (the cycle less the base, the moving average of cycles without a chunk; their median, so one
+stalled cycle does not reprice a class in use, and a rising cost is followed closely), and the next chunk's launch is
+the largest class whose time fits ratio x reference - base (the reference: the base, or below). A class not yet run
+is priced as the nearest one below it (optimistic, as a launch costs no less for holding more: it is then tried,
+once, and known), or with none below, as the nearest above scaled down to its tokens; so is one not run for
+`stale_after` chunk cycles, since it may have been measured in a stall or at another batch: the class above the one
+in use is tried again about that often. Nothing measured: the configured budget. The same classes price an unpadded
+launch (no graphs, the CPU), whose time grows smoothly: a coarser grid, not a wrong one.
 
 A chunk deep in a long prompt costs more than one at its start with the same tokens: its queries attend to every
 key before them, so its time grows with its tokens x their depth, and a class priced at one depth misprices it at
@@ -28,14 +27,14 @@ knows where each prompt's next chunk starts, asks the limit for the largest clas
 depth fits.
 
 The prices are medians, so about half the cycles they size run over what they were sized to, and a cycle without a
-chunk varies by itself (the base is an average): a limit sized to the ratio would hold it at the median cycle, not
-at the tail the ratio is meant for. So the budget also keeps what its own predictions missed by: each cycle of a
-class already priced is compared with the cycle predicted for it (the base plus the class's price at the chunk's
-depth), and a class fits when its predicted cycle times the `MARGIN_QUANTILE` of the last `ERRORS` such ratios
-(`margin`, at least 1) is within ratio x the reference. A model that predicts well keeps its chunks; one that misses widely
-takes smaller ones, as much smaller as it misses. A cycle more than `STALL` x its prediction was stalled by
-something a chunk does not cause (a Ray turnaround, a collection) and is left out, as the prices' medians leave it
-out: a smaller chunk would not have shortened it.
+chunk varies by itself (the base is an average): a limit sized to the ratio would hold it at the median cycle, not at
+the tail the ratio is meant for. So the budget also keeps what its own predictions missed by: each cycle of a class
+already priced is compared with the cycle predicted for it (the base plus the class's price at the chunk's depth),
+and a class fits when its predicted cycle times the `MARGIN_QUANTILE` of the last `ERRORS` such ratios (`margin`, at
+least 1) is within ratio x the reference. A model that predicts well keeps its chunks; one that misses widely takes
+smaller ones, as much smaller as it misses. A cycle more than `STALL` x its prediction was stalled by something a
+chunk does not cause (a Ray turnaround, a collection) and is left out, as the prices' medians leave it out: a smaller
+chunk would not have shortened it.
 
 The limit is on the launch that carries the chunk: with fused chunks the verify's tokens and the chunk's (the
 scheduler takes the verify's out), otherwise the chunk's own. A chunk never goes below `floor` tokens, so prompts
@@ -177,9 +176,10 @@ class ChunkBudget:
         sample = (cycle_ms - self.base_ms, launch.prior_keys)
         known = self.costs.get(c)
         earlier = () if known is None or self._stale(known) else known.recent
-        predicted = self.predicted_cycle_ms(launch)   # a class already priced: how far was it off
-        if predicted is not None and 0.0 < predicted and cycle_ms <= STALL * predicted:
-            self.errors.append(cycle_ms / predicted)
+        if earlier:   # a class already priced: how far was its prediction off
+            predicted = self._predicted(known, launch.prior_keys)
+            if 0.0 < predicted and cycle_ms <= STALL * predicted:
+                self.errors.append(cycle_ms / predicted)
         added, keys = sample
         self.slopes.extend((added - a) / (keys - k) for a, k in earlier
                            if abs(keys - k) >= MIN_SPREAD * max(keys, k, 1))
@@ -191,8 +191,11 @@ class ChunkBudget:
         known = self.costs.get(token_bucket(launch.tokens, self.classes))
         if self.base_ms is None or known is None or self._stale(known):
             return None
+        return self._predicted(known, launch.prior_keys)
+
+    def _predicted(self, known: ClassCost, prior_keys: int) -> float:
         key_ms = self.key_ms
-        return self.base_ms + known.added_ms(key_ms) + key_ms * launch.prior_keys
+        return self.base_ms + known.added_ms(key_ms) + key_ms * prior_keys
 
     @property
     def margin(self) -> float:
